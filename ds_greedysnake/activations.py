@@ -1,0 +1,98 @@
+"""Layer-input checkpoints per (layer, micro-batch): host memory up to a budget, then SSD.
+
+Forward stores the input of every layer for every micro-batch; backward takes each one once to
+recompute that layer. The most recent checkpoint also stays on the device: with the snake order
+the micro-batch that ends one layer starts the next, so its activation never has to come back.
+"""
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from .ssd import Region, SsdStore, aligned_buffer
+
+Key = Tuple[int, int]  # (layer, micro_batch)
+
+
+class _Spilled:
+    def __init__(self, region: Region, shape: torch.Size, dtype: torch.dtype):
+        self.region, self.shape, self.dtype = region, shape, dtype
+
+
+class ActivationStore:
+
+    def __init__(self, store: SsdStore, host_budget_bytes: int, device: torch.device):
+        self._store = store
+        self._host_budget_bytes = host_budget_bytes
+        self._device = device
+        self._on_host: Dict[Key, torch.Tensor] = {}
+        self._spilled: Dict[Key, _Spilled] = {}
+        self._regions: Dict[Key, Region] = {}  # kept across steps: the same shapes come back
+        self._staging: Optional[torch.Tensor] = None
+        self._on_device: Optional[Tuple[Key, torch.Tensor]] = None
+        self.host_bytes = 0
+        self.peak_host_bytes = 0
+
+    def put(self, layer: int, micro_batch: int, tensor: torch.Tensor) -> None:
+        key = (layer, micro_batch)
+        assert key not in self._on_host and key not in self._spilled, f"checkpoint {key} stored twice"
+        tensor = tensor.detach()
+        self._on_device = (key, tensor)
+        num_bytes = tensor.numel() * tensor.element_size()
+        if self.host_bytes + num_bytes <= self._host_budget_bytes:
+            self._on_host[key] = tensor.to("cpu")
+            self.host_bytes += num_bytes
+            self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
+        else:
+            self._spill(key, tensor, num_bytes)
+
+    def take(self, layer: int, micro_batch: int) -> torch.Tensor:
+        """Hand back the checkpoint on the device and forget it."""
+        key = (layer, micro_batch)
+        device_copy = None
+        if self._on_device is not None and self._on_device[0] == key:
+            device_copy, self._on_device = self._on_device[1], None
+        if key in self._on_host:
+            tensor = self._on_host.pop(key)
+            self.host_bytes -= tensor.numel() * tensor.element_size()
+            return device_copy if device_copy is not None else tensor.to(self._device)
+        spilled = self._spilled.pop(key)
+        if device_copy is not None:
+            return device_copy
+        return self._read_spilled(spilled)
+
+    def peek(self, layer: int, micro_batch: int) -> torch.Tensor:
+        """The checkpoint on the device, kept for backward (forward reads its input this way)."""
+        key = (layer, micro_batch)
+        if self._on_device is not None and self._on_device[0] == key:
+            return self._on_device[1]
+        if key in self._on_host:
+            return self._on_host[key].to(self._device)
+        return self._read_spilled(self._spilled[key])
+
+    def clear(self) -> None:
+        self._on_host.clear()
+        self._spilled.clear()
+        self._on_device = None
+        self.host_bytes = 0
+
+    def _spill(self, key: Key, tensor: torch.Tensor, num_bytes: int) -> None:
+        region = self._regions.get(key)
+        if region is None or region.payload_bytes < num_bytes:
+            region = self._store.create_region(f"act_l{key[0]}_m{key[1]}", num_bytes, "activation")
+            self._regions[key] = region
+        staging = self._staging_for(region)
+        staging[:num_bytes].view(tensor.dtype).copy_(tensor.reshape(-1))
+        self._store.write(region, staging)
+        self._spilled[key] = _Spilled(region, tensor.shape, tensor.dtype)
+
+    def _read_spilled(self, spilled: _Spilled) -> torch.Tensor:
+        staging = self._staging_for(spilled.region)
+        self._store.read(spilled.region, staging)
+        numel = spilled.shape.numel()
+        flat = staging[:numel * torch.empty(0, dtype=spilled.dtype).element_size()].view(spilled.dtype)
+        return flat.view(spilled.shape).to(self._device, copy=True)
+
+    def _staging_for(self, region: Region) -> torch.Tensor:
+        if self._staging is None or self._staging.numel() < region.padded_bytes:
+            self._staging = aligned_buffer(region.padded_bytes)
+        return self._staging

@@ -1,0 +1,168 @@
+"""The ``"greedysnake"`` block of ds_config.json, and the checks that the rest of the config suits it.
+
+Every field is typed and documented; unknown keys are rejected by DeepSpeed's config base class.
+``check_ds_config`` holds every cross-field rule in one place, and each error names the value
+it found and how to fix it.
+"""
+import errno
+import mmap
+import os
+import tempfile
+from typing import Any, Dict, Optional
+
+from pydantic import Field, ValidationError
+from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+
+GREEDYSNAKE_KEY = "greedysnake"
+
+
+class GreedySnakeConfigError(ValueError):
+    """A ds_config that greedysnake cannot run; the message names the value and the fix."""
+
+
+class GreedySnakeConfig(DeepSpeedConfigModel):
+    """Settings of the vertical (GreedySnake) engine, read from ``ds_config["greedysnake"]``."""
+
+    enabled: bool = False
+    """Run the vertical engine. False (or no block) gives DeepSpeed's own ZeRO-Infinity engine,
+    so one training script does the A/B comparison."""
+
+    activation_host_memory_mb: float = Field(4096.0, ge=0)
+    """Host memory (MiB) for layer-input checkpoints of all micro-batches; past it, checkpoints
+    spill to SSD under ``<nvme_path>/greedysnake``. 0 spills every checkpoint."""
+
+    fp32_grad_accumulation: bool = True
+    """Accumulate each layer's gradient over the micro-batches in fp32, whatever the compute
+    dtype. Only matters under bf16; fp32 training always accumulates in fp32."""
+
+    prefetch: bool = True
+    """Read the next layer's parameters from SSD while the current layer computes."""
+
+    swap_dir_name: str = "greedysnake"
+    """Folder created under ``zero_optimization.offload_param.nvme_path`` for this run's files."""
+
+
+def parse_greedysnake_config(ds_config: Dict[str, Any]) -> GreedySnakeConfig:
+    """Read the block, turning pydantic's validation error into one that names the key."""
+    block = ds_config.get(GREEDYSNAKE_KEY, {})
+    if not isinstance(block, dict):
+        raise GreedySnakeConfigError(
+            f'"{GREEDYSNAKE_KEY}" must be an object like {{"enabled": true}}, got {block!r}')
+    try:
+        return GreedySnakeConfig(**block)
+    except ValidationError as error:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors())
+        known = ", ".join(GreedySnakeConfig.model_fields)
+        raise GreedySnakeConfigError(
+            f'invalid "{GREEDYSNAKE_KEY}" block {block!r}: {problems}. Known keys: {known}') from None
+
+
+def check_ds_config(ds_config: Dict[str, Any], device_type: str) -> str:
+    """Check that the DeepSpeed config is one the vertical engine runs; return the nvme path.
+
+    The vertical engine replaces ZeRO-Infinity, so it needs the same description of it: ZeRO
+    stage 3 with parameters and optimizer states on NVMe, and an optimizer from ds_config.
+    """
+    zero = ds_config.get("zero_optimization", {}) or {}
+    stage = zero.get("stage", 0)
+    if stage != 3:
+        raise GreedySnakeConfigError(
+            f"greedysnake needs zero_optimization.stage 3 (ZeRO-Infinity), got stage {stage!r}: "
+            'set "zero_optimization": {"stage": 3, ...}')
+    param_path = _nvme_path(zero, "offload_param")
+    optimizer_path = _nvme_path(zero, "offload_optimizer")
+    if param_path != optimizer_path:
+        raise GreedySnakeConfigError(
+            f"offload_param.nvme_path ({param_path}) and offload_optimizer.nvme_path ({optimizer_path}) "
+            "differ; greedysnake keeps one folder per run: use the same path for both")
+    fp16 = (ds_config.get("fp16") or {}).get("enabled", False)
+    if fp16 and device_type == "cpu":
+        raise GreedySnakeConfigError(
+            'fp16.enabled is true but the accelerator is the CPU, which has no fp16 training: '
+            'use "bf16": {"enabled": true} or fp32')
+    if fp16:
+        raise GreedySnakeConfigError(
+            "fp16 (with loss scaling) is not supported by greedysnake yet: use bf16 or fp32")
+    optimizer = ds_config.get("optimizer") or {}
+    if str(optimizer.get("type", "")).lower() not in ("adam", "adamw"):
+        raise GreedySnakeConfigError(
+            f'greedysnake steps with DeepSpeedCPUAdam and needs "optimizer": {{"type": "AdamW", ...}} '
+            f"in ds_config; got {optimizer.get('type')!r}")
+    check_nvme_path(param_path)
+    return param_path
+
+
+def _nvme_path(zero: Dict[str, Any], section: str) -> str:
+    offload = zero.get(section) or {}
+    device = offload.get("device", "none")
+    if device != "nvme":
+        raise GreedySnakeConfigError(
+            f'greedysnake needs zero_optimization.{section}.device "nvme", got {device!r}: '
+            f'set "{section}": {{"device": "nvme", "nvme_path": "/path/on/ssd"}}')
+    path = offload.get("nvme_path")
+    if not path:
+        raise GreedySnakeConfigError(
+            f"zero_optimization.{section}.nvme_path is missing: name a folder on an SSD")
+    return os.path.abspath(str(path))
+
+
+def check_nvme_path(path: str) -> None:
+    """Refuse a missing or unwritable folder, a RAM-backed one, or one without O_DIRECT."""
+    if not os.path.isdir(path):
+        raise GreedySnakeConfigError(
+            f"nvme_path {path} does not exist or is not a folder: create it on an SSD (mkdir -p {path})")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise GreedySnakeConfigError(f"nvme_path {path} is not writable by this user: chmod it or pick another folder")
+    filesystem = filesystem_type(path)
+    if filesystem in _RAM_FILESYSTEMS:
+        raise GreedySnakeConfigError(
+            f"nvme_path {path} is on {filesystem}, which keeps every byte in RAM (and on many kernels has no "
+            "direct I/O): put it on a disk-backed filesystem on an SSD")
+    _probe_direct_io(path)
+
+
+_RAM_FILESYSTEMS = ("tmpfs", "ramfs")
+
+
+def filesystem_type(path: str) -> str:
+    """The type of the filesystem holding ``path``, from the longest matching mount point."""
+    real = os.path.realpath(path)
+    best, best_type = "", "unknown"
+    try:
+        with open("/proc/self/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                mount_point = fields[1].replace("\\040", " ")
+                inside = real == mount_point or real.startswith(mount_point.rstrip("/") + "/")
+                if inside and len(mount_point) >= len(best):
+                    best, best_type = mount_point, fields[2]
+    except OSError:
+        pass  # no /proc: the direct I/O probe still runs
+    return best_type
+
+
+def _probe_direct_io(path: str) -> None:
+    """Write and read back one aligned block with O_DIRECT, as the aio op will."""
+    block = mmap.mmap(-1, 4096)  # page-aligned, as O_DIRECT needs
+    block.write(b"greedysnake-probe".ljust(4096, b"."))
+    descriptor, probe_path = None, None
+    try:
+        handle, probe_path = tempfile.mkstemp(prefix=".gs_direct_probe_", dir=path)
+        os.close(handle)
+        descriptor = os.open(probe_path, os.O_RDWR | os.O_DIRECT)
+        written = os.pwrite(descriptor, block, 0)
+        readback = mmap.mmap(-1, 4096)
+        read = os.preadv(descriptor, [readback], 0)
+        if written != 4096 or read != 4096 or readback[:17] != b"greedysnake-probe":
+            raise OSError(errno.EIO, f"direct I/O probe wrote {written} and read {read} of 4096 bytes")
+    except OSError as error:
+        if error.errno == errno.EINVAL:
+            raise GreedySnakeConfigError(
+                f"nvme_path {path} is on a filesystem without direct I/O (O_DIRECT): put it on a "
+                "disk-backed filesystem such as ext4 or xfs on an SSD") from None
+        raise GreedySnakeConfigError(f"nvme_path {path} cannot be used for direct I/O: {error}") from None
+    finally:
+        if descriptor is not None:
+            os.close(descriptor)
+        if probe_path is not None and os.path.exists(probe_path):
+            os.remove(probe_path)

@@ -1,0 +1,166 @@
+"""The only module that touches DeepSpeed's private pieces.
+
+Everything greedysnake needs from DeepSpeed beyond its public API goes through here: the engine
+constructor hooks, the async I/O op, the CPU Adam kernel and the ZeRO-Infinity parameter swapper
+(for counting its reads in A/B comparisons). ``check_deepspeed_internals()`` fails loudly, naming
+the attribute, when a DeepSpeed release drops one of them; a test calls it.
+"""
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator
+
+import torch
+import deepspeed
+from deepspeed.accelerator import get_accelerator
+from deepspeed.ops.adam import DeepSpeedCPUAdam
+from deepspeed.ops.op_builder import AsyncIOBuilder
+from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.swap_tensor import partitioned_param_swapper
+from deepspeed.runtime.swap_tensor.aio_config import get_aio_config
+
+CHECKED_DEEPSPEED_VERSION = "0.19.8"
+
+# (object, attribute) pairs this module relies on; check_deepspeed_internals() verifies them.
+_RELIED_ON = [
+    (DeepSpeedEngine, "_configure_optimizer"),
+    (DeepSpeedEngine, "_configure_lr_scheduler"),
+    (DeepSpeedEngine, "_config"),
+    (DeepSpeedCPUAdam, "ds_opt_adam"),
+    (DeepSpeedCPUAdam, "opt_id"),
+    (partitioned_param_swapper, "swap_in_tensors"),
+]
+
+
+class DeepSpeedInternalsError(RuntimeError):
+    """A DeepSpeed private attribute greedysnake relies on is gone."""
+
+
+def check_deepspeed_internals() -> None:
+    placeholder = DeepSpeedCPUAdam([torch.zeros(1)])
+    for owner, attribute in _RELIED_ON:
+        target = placeholder if owner is DeepSpeedCPUAdam else owner
+        if attribute == "_config" and owner is DeepSpeedEngine:
+            continue  # an instance attribute, set in DeepSpeedEngine.__init__; checked by use
+        if not hasattr(target, attribute):
+            raise DeepSpeedInternalsError(
+                f"DeepSpeed {deepspeed.__version__} has no {getattr(owner, '__name__', owner)}.{attribute}; "
+                f"ds_greedysnake was checked against DeepSpeed {CHECKED_DEEPSPEED_VERSION}: install that release")
+    for op_name in ("adam_update", "create_adam"):
+        if not hasattr(placeholder.ds_opt_adam, op_name):
+            raise DeepSpeedInternalsError(f"DeepSpeed's cpu_adam op has no {op_name}")
+
+
+# ----------------------------------------------------------------------------- engine construction
+
+
+class EngineBase(DeepSpeedEngine):
+    """DeepSpeed's engine with its model placement and optimizer construction handed to a subclass.
+
+    DeepSpeed's constructor would wrap the model in ZeRO-3 (hooks that fetch a layer on every
+    call, gradient hooks that reduce on every backward). The vertical engine owns those jobs, so
+    the constructor keeps the model on the host and asks the subclass for the optimizer; all the
+    rest (distributed set-up, config, lr scheduler from ds_config, timers, monitor) is DeepSpeed's.
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(dont_change_device=True, **kwargs)
+
+    def _configure_optimizer(self, client_optimizer, model_parameters):
+        if client_optimizer is not None:
+            raise ValueError("greedysnake builds its own layer-wise CPU Adam from the ds_config \"optimizer\" "
+                             "block; pass optimizer=None to ds_greedysnake.initialize")
+        self.optimizer = self.build_optimizer()
+        self.basic_optimizer = self.optimizer
+
+    def build_optimizer(self):
+        raise NotImplementedError
+
+    @property
+    def ds_config_dict(self) -> Dict[str, Any]:
+        return self._config._param_dict
+
+
+# ----------------------------------------------------------------------------- async I/O
+
+
+def aio_settings(ds_config: Dict[str, Any]) -> Dict[str, Any]:
+    """The ds_config ``aio`` block with DeepSpeed's defaults filled in."""
+    return get_aio_config(ds_config)
+
+
+def new_aio_handle(ds_config: Dict[str, Any]):
+    settings = aio_settings(ds_config)
+    module = AsyncIOBuilder().load(verbose=False)
+    return module.aio_handle(settings["block_size"], settings["queue_depth"], settings["single_submit"],
+                             settings["overlap_events"], settings["intra_op_parallelism"])
+
+
+# ----------------------------------------------------------------------------- CPU Adam
+
+
+@dataclass
+class AdamHyperparameters:
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    bias_correction: bool = True
+
+
+class CpuAdamKernel:
+    """DeepSpeedCPUAdam's vectorised update, applied to flat fp32 tensors we own.
+
+    DeepSpeedCPUAdam keeps its state per nn.Parameter in host memory; greedysnake keeps each layer's
+    master weights and moments on SSD and streams them through, so it calls the same kernel directly
+    with the step count of the iteration being applied.
+    """
+
+    def __init__(self, hyper: AdamHyperparameters, adamw_mode: bool):
+        self._optimizer = DeepSpeedCPUAdam([torch.zeros(1)], lr=hyper.lr, betas=(hyper.beta1, hyper.beta2),
+                                           eps=hyper.eps, weight_decay=hyper.weight_decay,
+                                           adamw_mode=adamw_mode, bias_correction=hyper.bias_correction)
+
+    def update(self, step: int, hyper: AdamHyperparameters, params: torch.Tensor, grads: torch.Tensor,
+               exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        self._optimizer.ds_opt_adam.adam_update(self._optimizer.opt_id, step, hyper.lr, hyper.beta1, hyper.beta2,
+                                                hyper.eps, hyper.weight_decay, hyper.bias_correction, params,
+                                                grads, exp_avg, exp_avg_sq)
+
+
+# ----------------------------------------------------------------------------- ZeRO-Infinity accounting
+
+
+@dataclass
+class SwapReadCounter:
+    reads: int = 0
+    bytes: int = 0
+
+
+@contextlib.contextmanager
+def count_zero_param_swap_reads() -> Iterator[SwapReadCounter]:
+    """Count the NVMe reads ZeRO-Infinity's parameter swapper issues while the block runs."""
+    counter = SwapReadCounter()
+    original = partitioned_param_swapper.swap_in_tensors
+
+    def counting_swap_in(handle, buffers, paths):
+        counter.reads += len(buffers)
+        counter.bytes += sum(buffer.numel() * buffer.element_size() for buffer in buffers)
+        return original(handle, buffers, paths)
+
+    partitioned_param_swapper.swap_in_tensors = counting_swap_in
+    try:
+        yield counter
+    finally:
+        partitioned_param_swapper.swap_in_tensors = original
+
+
+def accelerator_device() -> torch.device:
+    return torch.device(get_accelerator().current_device_name())
+
+
+def pin_if_possible(tensor: torch.Tensor) -> torch.Tensor:
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu":
+        return tensor  # the CPU accelerator has nothing to pin for
+    return accelerator.pin_memory(tensor)

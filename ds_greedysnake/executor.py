@@ -1,0 +1,122 @@
+"""Runs the schedule of one training step over the layer owners, the checkpoints and the optimizer."""
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Sequence, Tuple
+
+import torch
+from torch.profiler import record_function
+
+from .activations import ActivationStore
+from .layer import LayerOwner
+from .optimizer import LayerwiseAdam, StepDecision
+from .schedule import Op, OpKind, build_step_schedule
+
+MicroBatch = Tuple[torch.Tensor, torch.Tensor]  # (inputs, labels), already on the device
+
+
+@dataclass
+class StepResult:
+    losses: List[float]
+    decision: StepDecision
+    seconds_by_op: Dict[str, float] = field(default_factory=dict)
+
+
+class Executor:
+
+    def __init__(self, layers: List[LayerOwner], activations: ActivationStore, optimizer: LayerwiseAdam,
+                 loss_fn: Callable, grad_accumulate_dtype: torch.dtype, prefetch: bool):
+        self.layers = layers
+        self.activations = activations
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.grad_accumulate_dtype = grad_accumulate_dtype
+        self.prefetch = prefetch
+        self._schedules: Dict[int, List[Op]] = {}
+
+    def schedule(self, num_micro_batches: int) -> List[Op]:
+        if num_micro_batches not in self._schedules:
+            self._schedules[num_micro_batches] = build_step_schedule(len(self.layers), num_micro_batches,
+                                                                     self.prefetch)
+        return self._schedules[num_micro_batches]
+
+    def run_step(self, micro_batches: Sequence[MicroBatch]) -> StepResult:
+        num_micro_batches = len(micro_batches)
+        losses: Dict[int, torch.Tensor] = {}
+        output_grads: Dict[int, torch.Tensor] = {}
+        seconds: Dict[str, float] = defaultdict(float)
+        decision = None
+        for op in self.schedule(num_micro_batches):
+            started = time.perf_counter()
+            with record_function(f"gs::{op}"):
+                if op.kind == OpKind.OPTIMIZER_STEP:
+                    decision = self._optimizer_step()
+                else:
+                    self._run(op, micro_batches, losses, output_grads)
+            seconds[op.kind.value] += time.perf_counter() - started
+        self.activations.clear()
+        ordered_losses = [float(losses[index]) for index in range(num_micro_batches)]
+        return StepResult(ordered_losses, decision, dict(seconds))
+
+    def _run(self, op: Op, micro_batches, losses, output_grads) -> None:
+        layer = self.layers[op.layer]
+        if op.kind == OpKind.PREFETCH:
+            layer.prefetch()
+        elif op.kind == OpKind.FETCH:
+            layer.fetch()
+        elif op.kind == OpKind.RELEASE:
+            layer.release()
+        elif op.kind == OpKind.FORWARD:
+            self._forward(layer, op.micro_batch, micro_batches)
+        elif op.kind == OpKind.LOSS_BACKWARD:
+            self._loss_backward(layer, op.micro_batch, micro_batches, losses, output_grads)
+        elif op.kind == OpKind.BACKWARD:
+            self._backward(layer, op.micro_batch, micro_batches, output_grads)
+        elif op.kind == OpKind.FLUSH_GRADS:
+            self.optimizer.receive_gradient(layer, layer.take_grads())
+        else:
+            raise AssertionError(f"unknown op {op}")
+
+    def _layer_input(self, layer: LayerOwner, micro_batch: int, micro_batches, keep: bool) -> torch.Tensor:
+        if layer.index == 0:
+            return micro_batches[micro_batch][0]
+        if keep:
+            return self.activations.peek(layer.index, micro_batch)
+        return self.activations.take(layer.index, micro_batch)
+
+    @torch.no_grad()
+    def _forward(self, layer: LayerOwner, micro_batch: int, micro_batches) -> None:
+        hidden = layer.module(self._layer_input(layer, micro_batch, micro_batches, keep=True))
+        self.activations.put(layer.index + 1, micro_batch, hidden)
+
+    def _recompute(self, layer: LayerOwner, micro_batch: int, micro_batches):
+        layer_input = self._layer_input(layer, micro_batch, micro_batches, keep=False)
+        if layer.index > 0:
+            layer_input = layer_input.detach().requires_grad_(True)
+        with torch.enable_grad():
+            return layer_input, layer.module(layer_input)
+
+    def _loss_backward(self, layer, micro_batch, micro_batches, losses, output_grads) -> None:
+        layer_input, output = self._recompute(layer, micro_batch, micro_batches)
+        with torch.enable_grad():
+            loss = self.loss_fn(output, micro_batches[micro_batch][1])
+            # Gradient accumulation averages over the micro-batches, as DeepSpeed and PyTorch do.
+            (loss / len(micro_batches)).backward()
+        losses[micro_batch] = loss.detach()
+        self._finish_backward(layer, micro_batch, layer_input, output_grads)
+
+    def _backward(self, layer, micro_batch, micro_batches, output_grads) -> None:
+        layer_input, output = self._recompute(layer, micro_batch, micro_batches)
+        torch.autograd.backward(output, output_grads.pop(micro_batch))
+        self._finish_backward(layer, micro_batch, layer_input, output_grads)
+
+    def _finish_backward(self, layer, micro_batch, layer_input, output_grads) -> None:
+        layer.accumulate_grads(self.grad_accumulate_dtype)
+        if layer.index > 0:
+            output_grads[micro_batch] = layer_input.grad
+
+    def _optimizer_step(self) -> StepDecision:
+        decision = self.optimizer.decide_step()
+        for layer in self.layers:
+            self.optimizer.update_layer(layer, decision)
+        return decision

@@ -1,0 +1,70 @@
+"""``initialize``: deepspeed.initialize's signature, the vertical engine when the block enables it."""
+import json
+import types
+from typing import Any, Callable, Dict, Iterator, Optional
+
+import torch
+import deepspeed
+from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.config import DeepSpeedConfig
+
+from .config import check_ds_config, parse_greedysnake_config
+from .engine import GreedySnakeEngine
+from .model_split import split_model
+
+
+def load_config(config: Any) -> Dict[str, Any]:
+    if isinstance(config, dict):
+        return config
+    if config is None:
+        raise ValueError("a DeepSpeed config is required: pass config=\"ds_config.json\" or a dict")
+    with open(config) as handle:
+        return json.load(handle)
+
+
+def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_parameters=None,
+               training_data=None, lr_scheduler=None, mpu=None, dist_init_required: Optional[bool] = None,
+               collate_fn=None, config=None, loss_fn: Callable = None):
+    """Returns ``(engine, optimizer, training_dataloader, lr_scheduler)`` like deepspeed.initialize.
+
+    With ``"greedysnake": {"enabled": true}`` the engine is the vertical GreedySnakeEngine; otherwise
+    it is DeepSpeed's own engine (ZeRO-Infinity for the same config) with a ``train_batch`` that runs
+    the ordinary horizontal loop, so one script compares both.
+    """
+    if model is None:
+        raise ValueError("initialize needs a model")
+    if loss_fn is None:
+        raise ValueError("initialize needs loss_fn(output, labels): train_batch computes the loss per micro-batch")
+    ds_config = load_config(config)
+    greedysnake_config = parse_greedysnake_config(ds_config)
+    common = dict(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                  training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu, collate_fn=collate_fn)
+    if not greedysnake_config.enabled:
+        engine, engine_optimizer, loader, scheduler = deepspeed.initialize(
+            dist_init_required=dist_init_required, config=ds_config, **common)
+        engine.train_batch = types.MethodType(_horizontal_train_batch_with(loss_fn), engine)
+        return engine, engine_optimizer, loader, scheduler
+    nvme_path = check_ds_config(ds_config, get_accelerator().device_name())
+    split_model(model)  # a model that cannot be split fails here, before any DeepSpeed set-up
+    dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                          dist_init_required=dist_init_required)
+    engine = GreedySnakeEngine(greedysnake_config, loss_fn, nvme_path, dist_init_required=dist_init_required,
+                               config=ds_config, config_class=DeepSpeedConfig(ds_config, mpu), **common)
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _horizontal_train_batch_with(loss_fn: Callable):
+    def train_batch(engine, data_iter: Iterator) -> torch.Tensor:
+        """DeepSpeed's ordinary loop: forward, backward and step per micro-batch; mean loss."""
+        device = get_accelerator().current_device_name()
+        losses = []
+        for _ in range(engine.gradient_accumulation_steps()):
+            inputs, labels = next(data_iter)
+            loss = loss_fn(engine(inputs.to(device)), labels.to(device))
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach()))
+        return torch.tensor(sum(losses) / len(losses))
+
+    return train_batch

@@ -1,0 +1,134 @@
+"""One owner per layer: where its parameters are, and its gradient over the micro-batches of a step.
+
+A layer's low-precision parameters live in one SSD region as a flat vector. ``prefetch`` starts
+reading it into a host buffer from a small shared pool, ``fetch`` waits and points the module's
+parameters at it on the device, ``release`` drops them; each verb is a no-op when already done.
+"""
+from enum import Enum
+from typing import List, Optional
+
+import torch
+from torch import nn
+
+from .ssd import Region, SsdStore, aligned_buffer
+
+
+class Residency(Enum):
+    ON_SSD = "on_ssd"
+    READING = "reading"
+    RESIDENT = "resident"
+
+
+class BufferPool:
+    """A fixed number of equal aligned host buffers; running out is a scheduling bug."""
+
+    def __init__(self, num_bytes: int, count: int):
+        self._free = [aligned_buffer(num_bytes) for _ in range(count)]
+
+    def acquire(self) -> torch.Tensor:
+        assert self._free, "parameter buffer pool exhausted: more layers in flight than buffers"
+        return self._free.pop()
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        self._free.append(buffer)
+
+
+class LayerOwner:
+
+    def __init__(self, index: int, module: nn.Module, compute_dtype: torch.dtype, device: torch.device):
+        self.index = index
+        self.module = module
+        self.params: List[nn.Parameter] = list(module.parameters())
+        # Shapes are kept here: a released parameter's .data is an empty placeholder.
+        self.param_shapes: List[torch.Size] = [p.shape for p in self.params]
+        self.numel = sum(shape.numel() for shape in self.param_shapes)
+        self.compute_dtype = compute_dtype
+        self.device = device
+        self.state = Residency.RESIDENT  # the module holds its initial weights until offload()
+        self.region: Optional[Region] = None
+        self._store: Optional[SsdStore] = None
+        self._pool: Optional[BufferPool] = None
+        self._host_buffer: Optional[torch.Tensor] = None
+        self._grad_accumulator: Optional[torch.Tensor] = None
+        module.to(device=device)  # buffers (masks, rotary tables) are small and stay resident
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.numel * torch.empty(0, dtype=self.compute_dtype).element_size()
+
+    def flat_parameters(self) -> torch.Tensor:
+        """The current weights as one flat host vector in the compute dtype (initialisation only)."""
+        return torch.cat([p.detach().reshape(-1).to("cpu", self.compute_dtype) for p in self.params])
+
+    def offload(self, store: SsdStore, region: Region, pool: BufferPool, flat: torch.Tensor) -> None:
+        """Write the initial weights to SSD and drop them from memory."""
+        self._store, self.region, self._pool = store, region, pool
+        self.write_parameters(flat)
+        self._drop_parameters()
+        self.state = Residency.ON_SSD
+
+    def write_parameters(self, flat: torch.Tensor) -> None:
+        """Store new weights (after an optimizer step); the layer must not be resident."""
+        assert self.state != Residency.READING
+        buffer = self._pool.acquire()
+        buffer[:self.payload_bytes].view(self.compute_dtype).copy_(flat)
+        self._store.write(self.region, buffer)
+        self._pool.give_back(buffer)
+
+    def prefetch(self) -> None:
+        if self.state != Residency.ON_SSD:
+            return
+        self._host_buffer = self._pool.acquire()
+        self._store.start_read(self.region, self._host_buffer)
+        self.state = Residency.READING
+
+    def fetch(self) -> None:
+        if self.state == Residency.RESIDENT:
+            return
+        self.prefetch()
+        self._store.finish_read()
+        flat = self._host_buffer[:self.payload_bytes].view(self.compute_dtype)
+        if flat.device != self.device:
+            # A blocking copy: the host buffer goes back to the pool right after it.
+            flat = flat.to(self.device)
+            self._pool.give_back(self._host_buffer)
+            self._host_buffer = None
+        offset = 0
+        for param, shape in zip(self.params, self.param_shapes):
+            param.data = flat[offset:offset + shape.numel()].view(shape)
+            offset += shape.numel()
+        self.state = Residency.RESIDENT
+
+    def release(self) -> None:
+        if self.state == Residency.ON_SSD:
+            return
+        if self.state == Residency.READING:
+            self._store.finish_read()
+        self._drop_parameters()
+        if self._host_buffer is not None:
+            self._pool.give_back(self._host_buffer)
+            self._host_buffer = None
+        self.state = Residency.ON_SSD
+
+    def _drop_parameters(self) -> None:
+        for param in self.params:
+            param.data = torch.empty(0, dtype=self.compute_dtype, device=self.device)
+
+    # ------------------------------------------------------------------ gradients
+
+    def accumulate_grads(self, accumulate_dtype: torch.dtype) -> None:
+        """Add this micro-batch's parameter gradients into the layer's flat accumulator."""
+        if self._grad_accumulator is None:
+            self._grad_accumulator = torch.zeros(self.numel, dtype=accumulate_dtype, device=self.device)
+        offset = 0
+        for param, shape in zip(self.params, self.param_shapes):
+            if param.grad is not None:
+                self._grad_accumulator[offset:offset + shape.numel()].add_(param.grad.reshape(-1))
+                param.grad = None
+            offset += shape.numel()
+
+    def take_grads(self) -> torch.Tensor:
+        """The gradient accumulated over every micro-batch of this step; the owner forgets it."""
+        assert self._grad_accumulator is not None, f"layer {self.index} has no gradient this step"
+        grads, self._grad_accumulator = self._grad_accumulator, None
+        return grads

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Command 2 of the README (and what CI runs): set-up if needed, then every test, slow ones included.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+bash "$REPO/scripts/setup.sh"
+cd "$REPO"
+python -m pytest -q -p no:cacheprovider tests "$@"

@@ -1,0 +1,11 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="ds_greedysnake",
+    version="0.1.0",
+    description="GreedySnake vertical scheduling for SSD-offloaded training, as a DeepSpeed plugin",
+    packages=find_packages(include=["ds_greedysnake", "ds_greedysnake.*"]),
+    python_requires=">=3.10",
+    # DeepSpeed is pinned: deepspeed_compat.py relies on private pieces checked against this release.
+    install_requires=["deepspeed==0.19.8", "torch>=2.4", "numpy", "pytest"],
+)

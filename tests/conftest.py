@@ -1,0 +1,38 @@
+"""Test session set-up: DeepSpeed's CPU accelerator, a one-process 'launch', and clean-up of the
+shared-memory buffer DeepSpeed's CPU comm op leaves in /dev/shm."""
+import glob
+import os
+import socket
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "tests"))
+
+
+def _free_port() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return str(probe.getsockname()[1])
+
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(REPO, ".cache", "torch_extensions"))
+for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_SIZE", "1"),
+                   ("MASTER_ADDR", "127.0.0.1")):
+    os.environ.setdefault(key, value)
+os.environ.setdefault("MASTER_PORT", _free_port())
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: end-to-end runs with real SSD I/O (CI runs them too)")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # DeepSpeed's shm comm op names its buffer deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>
+    # and never removes it; remove ours (by our port) so repeated runs do not fill /dev/shm.
+    pattern = f"/dev/shm/deepspeed_allreduce_buffer_*_{os.environ['MASTER_PORT']}_*"
+    for path in glob.glob(pattern):
+        try:
+            os.remove(path)
+        except OSError:
+            pass

@@ -1,0 +1,78 @@
+"""Shared pieces of the end-to-end tests: a tiny GPT, its ds_config, and the plain PyTorch reference."""
+import copy
+from typing import Dict, List, Tuple
+
+import torch
+
+from ds_greedysnake.models.gpt import GPTConfig, build_gpt, lm_loss, micro_batches, synthetic_corpus
+
+MICRO_BATCH_SIZE = 2
+
+
+def tiny_gpt_config(hidden: int = 320) -> GPTConfig:
+    # hidden 320: the block weights (qkv 1.2 MiB, up/down 1.6 MiB in fp32) exceed ZeRO-3's 1 MiB
+    # swap threshold, and 320 is not a multiple of 128, the size at which ZeRO-Infinity 0.19.8 reads stale gradients.
+    return GPTConfig(vocab_size=512, seq_len=32, hidden=hidden, num_heads=4, num_layers=3)
+
+
+def ds_config(nvme_path: str, num_micro_batches: int, enabled: bool = True, clipping: float = 0.0,
+              bf16: bool = False, greedysnake: Dict = None, scheduler: Dict = None) -> Dict:
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH_SIZE,
+        "gradient_accumulation_steps": num_micro_batches,
+        # Set explicitly: DeepSpeed 0.19.8 clips at 1.0 when the key is absent.
+        "gradient_clipping": clipping,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                   "weight_decay": 0.01}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": nvme_path, "max_in_cpu": 0},
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path},
+        },
+        "greedysnake": dict({"enabled": enabled}, **(greedysnake or {})),
+        "steps_per_print": 1000,
+    }
+    if bf16:
+        config["bf16"] = {"enabled": True}
+    if scheduler:
+        config["scheduler"] = scheduler
+    return config
+
+
+def data(config: GPTConfig, seed: int = 0):
+    return micro_batches(synthetic_corpus(20000, config.vocab_size, seed), MICRO_BATCH_SIZE, config.seq_len, seed)
+
+
+def reference_training(model: torch.nn.Module, config: GPTConfig, num_micro_batches: int, steps: int,
+                       clipping: float = 0.0) -> Tuple[torch.nn.Module, List[float]]:
+    """Plain PyTorch AdamW with gradient accumulation: the ground truth."""
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    batches = data(config)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        total = 0.0
+        for _ in range(num_micro_batches):
+            inputs, labels = next(batches)
+            loss = lm_loss(model(inputs), labels)
+            (loss / num_micro_batches).backward()
+            total += float(loss.detach()) / num_micro_batches
+        if clipping > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clipping)
+        optimizer.step()
+        losses.append(total)
+    return model, losses
+
+
+def relative_l2(got: Dict[str, torch.Tensor], reference: torch.nn.Module) -> float:
+    numerator = denominator = 0.0
+    for name, param in reference.named_parameters():
+        numerator += float(((got[name].float() - param.detach().float()) ** 2).sum())
+        denominator += float((param.detach().float() ** 2).sum())
+    return (numerator / denominator) ** 0.5
+
+
+def fresh_model(config: GPTConfig, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return build_gpt(config)

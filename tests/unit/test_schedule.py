@@ -1,0 +1,106 @@
+"""The schedule, checked exhaustively for small numbers of layers and micro-batches."""
+import itertools
+
+import pytest
+
+from ds_greedysnake.schedule import (OpKind, build_step_schedule, format_schedule, micro_batch_order,
+                                     parameter_reads_per_step)
+
+SIZES = list(itertools.product(range(2, 7), range(1, 6), [True, False]))
+
+
+def compute_order(ops, kinds):
+    return [(op.layer, op.micro_batch) for op in ops if op.kind in kinds]
+
+
+def test_matches_the_design_example():
+    ops = build_step_schedule(4, 3)
+    assert compute_order(ops, {OpKind.FORWARD}) == [(0, 0), (0, 1), (0, 2), (1, 2), (1, 1), (1, 0), (2, 0), (2, 1),
+                                                    (2, 2)]
+    assert compute_order(ops, {OpKind.BACKWARD, OpKind.LOSS_BACKWARD}) == [
+        (3, 2), (3, 1), (3, 0), (2, 0), (2, 1), (2, 2), (1, 2), (1, 1), (1, 0), (0, 0), (0, 1), (0, 2)]
+
+
+@pytest.mark.parametrize("num_layers,num_micro_batches,prefetch", SIZES)
+def test_every_micro_batch_passes_every_layer_once_in_snake_order(num_layers, num_micro_batches, prefetch):
+    ops = build_step_schedule(num_layers, num_micro_batches, prefetch)
+    forward = compute_order(ops, {OpKind.FORWARD})
+    backward = compute_order(ops, {OpKind.BACKWARD, OpKind.LOSS_BACKWARD})
+    everything = set(itertools.product(range(num_layers), range(num_micro_batches)))
+    assert sorted(forward) == sorted(k for k in everything if k[0] < num_layers - 1)
+    assert sorted(backward) == sorted(everything)
+    # Vertical: all micro-batches of a layer before the next layer (forward up, backward down).
+    assert [layer for layer, _ in forward] == sorted(layer for layer, _ in forward)
+    assert [layer for layer, _ in backward] == sorted((layer for layer, _ in backward), reverse=True)
+    # Snake: the micro-batch that ends a layer starts the next one, in both sweeps and across them.
+    sweep = forward + backward
+    for previous, current in zip(sweep, sweep[1:]):
+        if previous[0] != current[0]:
+            assert previous[1] == current[1], (previous, current)
+    # Only the last layer turns forward into loss and backward.
+    assert all((op.layer == num_layers - 1) == (op.kind == OpKind.LOSS_BACKWARD)
+               for op in ops if op.kind in (OpKind.BACKWARD, OpKind.LOSS_BACKWARD))
+
+
+@pytest.mark.parametrize("num_layers,num_micro_batches,prefetch", SIZES)
+def test_layers_are_resident_exactly_when_used(num_layers, num_micro_batches, prefetch):
+    """Replay the schedule against a residency model: compute only on fetched layers, one read per fetch."""
+    ops = build_step_schedule(num_layers, num_micro_batches, prefetch)
+    resident, in_flight, reads = set(), set(), 0
+    backward_done = {layer: 0 for layer in range(num_layers)}
+    flushed = set()
+    for op in ops:
+        if op.kind == OpKind.PREFETCH:
+            assert op.layer not in resident and op.layer not in in_flight
+            in_flight.add(op.layer)
+            reads += 1
+        elif op.kind == OpKind.FETCH:
+            if op.layer in in_flight:
+                in_flight.remove(op.layer)
+            else:
+                reads += 1
+            resident.add(op.layer)
+            assert len(resident) == 1, "one layer resident at a time"
+        elif op.kind == OpKind.RELEASE:
+            resident.remove(op.layer)
+        elif op.kind in (OpKind.FORWARD, OpKind.BACKWARD, OpKind.LOSS_BACKWARD):
+            assert op.layer in resident, op
+            if op.kind != OpKind.FORWARD:
+                backward_done[op.layer] += 1
+        elif op.kind == OpKind.FLUSH_GRADS:
+            assert backward_done[op.layer] == num_micro_batches and op.layer not in flushed
+            flushed.add(op.layer)
+        elif op.kind == OpKind.OPTIMIZER_STEP:
+            assert flushed == set(range(num_layers)) and not resident and not in_flight
+        # At most one read in flight: the prefetch pool holds two buffers (current + next).
+        assert len(in_flight) <= 1
+    assert ops[-1].kind == OpKind.OPTIMIZER_STEP
+    assert reads == parameter_reads_per_step(num_layers) == 2 * num_layers - 1
+    if prefetch:
+        # Every fetch but the very first finds its read already started.
+        fetches = [i for i, op in enumerate(ops) if op.kind == OpKind.FETCH]
+        for index in fetches:
+            earlier = [op for op in ops[:index] if op.kind == OpKind.PREFETCH and op.layer == ops[index].layer]
+            assert earlier
+
+
+def test_parameter_reads_do_not_depend_on_micro_batches():
+    counts = {m: sum(op.kind == OpKind.FETCH for op in build_step_schedule(6, m)) for m in (1, 2, 8, 32)}
+    assert len(set(counts.values())) == 1
+
+
+def test_order_alternates():
+    assert micro_batch_order(0, 3) == [0, 1, 2]
+    assert micro_batch_order(1, 3) == [2, 1, 0]
+
+
+def test_printable():
+    text = format_schedule(build_step_schedule(2, 2))
+    assert text.startswith("prefetch[0] fetch[0] prefetch[1] forward[0,0] forward[0,1] release[0]")
+    assert text.endswith("optimizer_step")
+
+
+@pytest.mark.parametrize("num_layers,num_micro_batches", [(1, 2), (0, 1), (3, 0)])
+def test_rejects_impossible_sizes(num_layers, num_micro_batches):
+    with pytest.raises(ValueError, match="must be at least"):
+        build_step_schedule(num_layers, num_micro_batches)
