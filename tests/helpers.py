@@ -24,9 +24,15 @@ def ds_config(nvme_path: str, num_micro_batches: int, enabled: bool = True, clip
         "gradient_clipping": clipping,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8,
                                                    "weight_decay": 0.01}},
+        # The stage3_* knobs and sub_group_size only matter to ZeRO-Infinity (the baseline on the same
+        # config); each is needed for it to run correctly on DeepSpeed 0.19.8, see docs/zero_infinity.md.
         "zero_optimization": {
             "stage": 3,
-            "offload_param": {"device": "nvme", "nvme_path": nvme_path, "max_in_cpu": 0},
+            "stage3_prefetch_bucket_size": 0,
+            "stage3_max_reuse_distance": 0,
+            "sub_group_size": 1,
+            "offload_param": {"device": "nvme", "nvme_path": nvme_path, "max_in_cpu": 0,
+                              "buffer_count": 5, "buffer_size": 1 << 20},
             "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path},
         },
         "greedysnake": dict({"enabled": enabled}, **(greedysnake or {})),
