@@ -17,6 +17,7 @@ from deepspeed.ops.op_builder import AsyncIOBuilder
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.swap_tensor import partitioned_param_swapper
 from deepspeed.runtime.swap_tensor.aio_config import get_aio_config
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 CHECKED_DEEPSPEED_VERSION = "0.19.8"
 
@@ -78,6 +79,40 @@ class EngineBase(DeepSpeedEngine):
     @property
     def ds_config_dict(self) -> Dict[str, Any]:
         return self._config._param_dict
+
+
+# ----------------------------------------------------------------------------- models built under zero.Init
+
+
+def is_zero3_parameter(param: torch.nn.Parameter) -> bool:
+    return hasattr(param, "ds_id")
+
+
+def logical_shape(param: torch.nn.Parameter) -> torch.Size:
+    """The full shape, also for a zero.Init parameter whose .data is an empty partition placeholder."""
+    return param.ds_shape if is_zero3_parameter(param) else param.shape
+
+
+def gathered(params):
+    """Full weights of zero.Init parameters for the duration of the block (no-op for plain ones)."""
+    partitioned = [p for p in params if is_zero3_parameter(p)]
+    if not partitioned:
+        return contextlib.nullcontext()
+    return deepspeed.zero.GatheredParameters(partitioned)
+
+
+def drop_zero3_partition(param: torch.nn.Parameter) -> None:
+    """Free the ZeRO-3 partition once greedysnake holds the weights in its own SSD region.
+
+    zero.Init also replaces torch.nn.functional.linear for good; its backward all-gathers any weight
+    whose status says NOT_AVAILABLE. Greedysnake sets .data itself, so the status says AVAILABLE.
+    """
+    if not is_zero3_parameter(param):
+        return
+    partition = getattr(param, "ds_tensor", None)
+    if partition is not None:
+        partition.data = torch.empty(0, dtype=partition.dtype, device=partition.device)
+    param.ds_status = ZeroParamStatus.AVAILABLE
 
 
 # ----------------------------------------------------------------------------- async I/O

@@ -10,6 +10,7 @@ from typing import List, Optional
 import torch
 from torch import nn
 
+from . import deepspeed_compat
 from .ssd import Region, SsdStore, aligned_buffer
 
 
@@ -40,7 +41,7 @@ class LayerOwner:
         self.module = module
         self.params: List[nn.Parameter] = list(module.parameters())
         # Shapes are kept here: a released parameter's .data is an empty placeholder.
-        self.param_shapes: List[torch.Size] = [p.shape for p in self.params]
+        self.param_shapes: List[torch.Size] = [deepspeed_compat.logical_shape(p) for p in self.params]
         self.numel = sum(shape.numel() for shape in self.param_shapes)
         self.compute_dtype = compute_dtype
         self.device = device
@@ -50,15 +51,31 @@ class LayerOwner:
         self._pool: Optional[BufferPool] = None
         self._host_buffer: Optional[torch.Tensor] = None
         self._grad_accumulator: Optional[torch.Tensor] = None
-        module.to(device=device)  # buffers (masks, rotary tables) are small and stay resident
+        self._move_buffers_to(device)
+
+    def _move_buffers_to(self, device: torch.device) -> None:
+        # Buffers (masks, rotary tables) are small and stay on the device; parameters do not move
+        # here, so the whole model is never on the device at once.
+        for submodule in self.module.modules():
+            for name, buffer in submodule._buffers.items():
+                if buffer is not None:
+                    submodule._buffers[name] = buffer.to(device)
 
     @property
     def payload_bytes(self) -> int:
         return self.numel * torch.empty(0, dtype=self.compute_dtype).element_size()
 
     def flat_parameters(self) -> torch.Tensor:
-        """The current weights as one flat host vector in the compute dtype (initialisation only)."""
-        return torch.cat([p.detach().reshape(-1).to("cpu", self.compute_dtype) for p in self.params])
+        """The current weights as one flat host vector in the compute dtype (initialisation only).
+
+        A model built under zero.Init is gathered one layer at a time, so the whole model never has
+        to be in memory at once; its ZeRO-3 partitions are dropped once the copy is taken.
+        """
+        with deepspeed_compat.gathered(self.params):
+            flat = torch.cat([p.detach().reshape(-1).to("cpu", self.compute_dtype) for p in self.params])
+        for param in self.params:
+            deepspeed_compat.drop_zero3_partition(param)
+        return flat
 
     def offload(self, store: SsdStore, region: Region, pool: BufferPool, flat: torch.Tensor) -> None:
         """Write the initial weights to SSD and drop them from memory."""
