@@ -38,6 +38,20 @@ class GreedySnakeConfig(DeepSpeedConfigModel):
     prefetch: bool = True
     """Read the next layer's parameters from SSD while the current layer computes."""
 
+    optimizer_overlap: bool = True
+    """Run each layer's Adam update in a worker process while training goes on: during backward for
+    layers ``deferred_layers`` and up (speculatively, committed or discarded once every gradient is
+    known), during the next forward for the front layers. False runs every update after backward."""
+
+    deferred_layers: Optional[int] = Field(None, ge=0)
+    """With the overlap, how many layers counted from the front (the embedding is layer 0) are
+    updated during the next forward instead of during backward. Default: a quarter of the layers,
+    at least one. With gradient_clipping on, every layer is deferred, since the clip coefficient
+    needs every gradient first."""
+
+    optimizer_worker_threads: int = Field(1, ge=1)
+    """CPU threads of the optimizer worker process (the training process keeps the rest)."""
+
     swap_dir_name: str = "greedysnake"
     """Folder created under ``zero_optimization.offload_param.nvme_path`` for this run's files."""
 

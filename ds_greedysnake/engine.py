@@ -8,6 +8,7 @@ import torch
 from deepspeed.utils import logger
 
 from .activations import ActivationStore
+from .checkpoint import CheckpointReader, CheckpointWriter, resolve_tag
 from .config import GreedySnakeConfig
 from .deepspeed_compat import EngineBase, accelerator_device
 from .executor import Executor, StepResult
@@ -30,6 +31,19 @@ class StepMetrics:
     seconds_by_op: Dict[str, float]
     global_grad_norm: float
     skipped: bool
+    optimizer_seconds: float       # Adam updates that finished during this step (wherever they ran)
+    optimizer_wait_seconds: float  # time training was blocked on them
+
+    @property
+    def optimizer_hidden_share(self) -> float:
+        """Share of the optimizer time that ran while training went on."""
+        if self.optimizer_seconds <= 0:
+            return float("nan")
+        return max(0.0, 1.0 - self.optimizer_wait_seconds / self.optimizer_seconds)
+
+    @property
+    def compute_seconds(self) -> float:
+        return sum(self.seconds_by_op.get(kind, 0.0) for kind in ("forward", "backward", "loss_backward"))
 
     @property
     def tokens_per_second(self) -> float:
@@ -72,19 +86,25 @@ class GreedySnakeEngine(EngineBase):
         param_store = SsdStore(folder, self.ds_config_dict, self.io_counters, "param")
         optimizer_store = SsdStore(folder, self.ds_config_dict, self.io_counters, "optimizer")
         activation_store = SsdStore(folder, self.ds_config_dict, self.io_counters, "activation")
-        optimizer = LayerwiseAdam(self.layers, optimizer_store, self.ds_config_dict["optimizer"],
-                                  float(self.gradient_clipping() or 0.0))
+        num_layers = len(self.layers)
+        deferred = setup.config.deferred_layers
+        if deferred is not None and deferred > num_layers:
+            raise ValueError(f"greedysnake.deferred_layers ({deferred}) exceeds the model's {num_layers} layers: "
+                             f"use at most {num_layers}, or leave it unset")
+        overlap = setup.config.optimizer_overlap
+        optimizer = LayerwiseAdam(self.layers, optimizer_store, self.ds_config_dict,
+                                  float(self.gradient_clipping() or 0.0), overlap,
+                                  setup.config.optimizer_worker_threads)
         # Two buffers: the layer computing and the one being prefetched.
         pool = BufferPool(max(padded_size(layer.payload_bytes) for layer in self.layers), count=2)
         for layer in self.layers:
             flat = layer.flat_parameters()
             optimizer.initialise_layer(layer, flat.float())
-            layer.offload(param_store, param_store.create_region(f"l{layer.index}", layer.payload_bytes, "param"),
-                          pool, flat)
+            layer.offload(param_store, pool, flat)
         budget = int(setup.config.activation_host_memory_mb * 2**20)
         self.activations = ActivationStore(activation_store, budget, device)
         self.executor = Executor(self.layers, self.activations, optimizer, setup.loss_fn, accumulate_dtype,
-                                 setup.config.prefetch)
+                                 setup.config.prefetch, overlap, deferred)
         return optimizer
 
     def train_batch(self, data_iter: Iterator) -> torch.Tensor:
@@ -96,9 +116,13 @@ class GreedySnakeEngine(EngineBase):
             inputs, labels = next(data_iter)
             micro_batches.append((inputs.to(device), labels.to(device)))
         before = self.io_counters.snapshot()
+        updater = self.optimizer.updater
+        update_seconds_before, wait_seconds_before = updater.update_seconds, updater.wait_seconds
         started = time.perf_counter()
         result = self.executor.run_step(micro_batches)
         seconds = time.perf_counter() - started
+        result.optimizer_seconds = updater.update_seconds - update_seconds_before
+        result.optimizer_wait_seconds = updater.wait_seconds - wait_seconds_before
         if result.decision.skipped:
             self.skipped_steps += 1
         elif self.lr_scheduler is not None:
@@ -111,8 +135,18 @@ class GreedySnakeEngine(EngineBase):
             self._log(self.last_step_metrics)
         return torch.tensor(mean_loss)
 
+    def flush(self) -> None:
+        """Finish every pending optimizer update (the overlap defers some into the next forward)."""
+        self.optimizer.flush()
+
+    def close(self) -> None:
+        """Finish pending updates and stop the optimizer worker."""
+        self.optimizer.flush()
+        self.optimizer.close()
+
     def master_parameters(self) -> Dict[str, torch.Tensor]:
-        """Every parameter's fp32 master weights by name, read back from SSD."""
+        """Every parameter's fp32 master weights by name, read back from SSD (pending updates first)."""
+        self.flush()
         names = {param: name for name, param in self.module.named_parameters()}
         result = {}
         for layer in self.layers:
@@ -122,6 +156,50 @@ class GreedySnakeEngine(EngineBase):
                 result[names[param]] = flat[offset:offset + shape.numel()].view(shape).clone()
                 offset += shape.numel()
         return result
+
+    def save_checkpoint(self, save_dir: str, tag=None, client_state: Optional[dict] = None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's save_checkpoint: every SSD-resident tensor, the counters, the lr scheduler and
+        ``client_state``, published atomically (pending updates are finished first)."""
+        self.flush()
+        tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
+        writer = CheckpointWriter(save_dir, tag, self.global_rank)
+        try:
+            for layer in self.layers:
+                writer.write_layer(layer.index, self.optimizer.read_layer_state(layer))
+            writer.write_state({
+                "num_layers": len(self.layers), "global_steps": self.global_steps,
+                "global_samples": self.global_samples, "skipped_steps": self.skipped_steps,
+                "optimizer": self.optimizer.counters_state(),
+                "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+                "client_state": client_state or {}, "compute_dtype": str(self.compute_dtype)})
+            writer.publish(save_latest)
+        except BaseException:
+            writer.abandon()
+            raise
+        return True
+
+    def load_checkpoint(self, load_dir: str, tag=None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn=None):
+        """DeepSpeed's load_checkpoint; returns ``(path, client_state)``."""
+        if custom_load_fn is not None:
+            raise ValueError("custom_load_fn is not supported by the greedysnake engine")
+        self.flush()
+        tag = resolve_tag(load_dir, tag)
+        reader = CheckpointReader(load_dir, tag, self.global_rank, len(self.layers))
+        with_optimizer = load_optimizer_states and not load_module_only
+        for layer in self.layers:
+            self.optimizer.restore_layer(layer, reader.read_layer(layer.index, layer.numel), with_optimizer)
+        state = reader.state
+        if not load_module_only:
+            self.global_steps, self.global_samples = state["global_steps"], state["global_samples"]
+            self.skipped_steps = state["skipped_steps"]
+            if with_optimizer:
+                self.optimizer.load_counters_state(state["optimizer"])
+            if load_lr_scheduler_states and self.lr_scheduler is not None and state["lr_scheduler"] is not None:
+                self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        return reader.folder, state["client_state"]
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("the greedysnake engine runs whole steps: call engine.train_batch(data_iter)")
@@ -138,11 +216,13 @@ class GreedySnakeEngine(EngineBase):
         tokens = sum(inputs.numel() for inputs, _ in micro_batches)
         return StepMetrics(self.global_steps, mean_loss, tokens, seconds, delta("bytes_read"), delta("bytes_written"),
                            delta("reads"), result.seconds_by_op, result.decision.global_grad_norm,
-                           result.decision.skipped)
+                           result.decision.skipped, result.optimizer_seconds, result.optimizer_wait_seconds)
 
     def _log(self, metrics: StepMetrics) -> None:
         read_mb = sum(metrics.ssd_bytes_read.values()) / 2**20
         written_mb = sum(metrics.ssd_bytes_written.values()) / 2**20
         logger.info(f"greedysnake step {metrics.step}: loss {metrics.loss:.4f} tokens/s {metrics.tokens_per_second:.0f} "
-                    f"SSD read {read_mb:.1f} MiB written {written_mb:.1f} MiB grad-norm {metrics.global_grad_norm:.3f}")
+                    f"SSD read {read_mb:.1f} MiB written {written_mb:.1f} MiB grad-norm {metrics.global_grad_norm:.3f} "
+                    f"optimizer {metrics.optimizer_seconds:.2f}s ({100 * metrics.optimizer_hidden_share:.0f}% hidden) "
+                    f"compute {metrics.compute_seconds:.2f}s")
 

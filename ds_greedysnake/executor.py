@@ -2,7 +2,7 @@
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.profiler import record_function
@@ -20,24 +20,31 @@ class StepResult:
     losses: List[float]
     decision: StepDecision
     seconds_by_op: Dict[str, float] = field(default_factory=dict)
+    optimizer_seconds: float = 0.0
+    optimizer_wait_seconds: float = 0.0
 
 
 class Executor:
 
     def __init__(self, layers: List[LayerOwner], activations: ActivationStore, optimizer: LayerwiseAdam,
-                 loss_fn: Callable, grad_accumulate_dtype: torch.dtype, prefetch: bool):
+                 loss_fn: Callable, grad_accumulate_dtype: torch.dtype, prefetch: bool, overlap: bool,
+                 deferred_layers: Optional[int]):
         self.layers = layers
         self.activations = activations
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.grad_accumulate_dtype = grad_accumulate_dtype
         self.prefetch = prefetch
+        self.overlap = overlap
+        if optimizer.needs_every_gradient_first:
+            deferred_layers = len(layers)  # exactness: nothing may be updated before the global norm is known
+        self.deferred_layers = deferred_layers
         self._schedules: Dict[int, List[Op]] = {}
 
     def schedule(self, num_micro_batches: int) -> List[Op]:
         if num_micro_batches not in self._schedules:
-            self._schedules[num_micro_batches] = build_step_schedule(len(self.layers), num_micro_batches,
-                                                                     self.prefetch)
+            self._schedules[num_micro_batches] = build_step_schedule(
+                len(self.layers), num_micro_batches, self.prefetch, self.overlap, self.deferred_layers)
         return self._schedules[num_micro_batches]
 
     def run_step(self, micro_batches: Sequence[MicroBatch]) -> StepResult:
@@ -45,18 +52,43 @@ class Executor:
         losses: Dict[int, torch.Tensor] = {}
         output_grads: Dict[int, torch.Tensor] = {}
         seconds: Dict[str, float] = defaultdict(float)
-        decision = None
-        for op in self.schedule(num_micro_batches):
-            started = time.perf_counter()
-            with record_function(f"gs::{op}"):
-                if op.kind == OpKind.OPTIMIZER_STEP:
-                    decision = self._optimizer_step()
-                else:
-                    self._run(op, micro_batches, losses, output_grads)
-            seconds[op.kind.value] += time.perf_counter() - started
+        try:
+            decision = self._run_schedule(micro_batches, losses, output_grads, seconds)
+        except BaseException:
+            self._abandon_step()
+            raise
         self.activations.clear()
         ordered_losses = [float(losses[index]) for index in range(num_micro_batches)]
         return StepResult(ordered_losses, decision, dict(seconds))
+
+    def _run_schedule(self, micro_batches, losses, output_grads, seconds) -> StepDecision:
+        decision: Optional[StepDecision] = None
+        for op in self.schedule(len(micro_batches)):
+            started = time.perf_counter()
+            with record_function(f"gs::{op}"):
+                if op.kind == OpKind.DECIDE_STEP:
+                    decision = self.optimizer.decide_step()
+                elif op.kind == OpKind.UPDATE:
+                    # Before the decision an update is speculative: committed or discarded by it.
+                    speculative = decision is None
+                    chosen = self.optimizer.provisional_decision() if speculative else decision
+                    self.optimizer.update_layer(self.layers[op.layer], chosen, speculative)
+                else:
+                    self._run(op, micro_batches, losses, output_grads)
+            seconds[op.kind.value] += time.perf_counter() - started
+        return decision
+
+    def _abandon_step(self) -> None:
+        """After a failure mid-step: no SSD read left in flight (an aio handle destroyed with pending
+        reads aborts the process), no half-step state kept."""
+        for layer in self.layers:
+            try:
+                layer.release()
+            except Exception:  # the original error is the one worth raising
+                pass
+            layer.discard_grads()
+        self.optimizer.abandon_step()
+        self.activations.clear()
 
     def _run(self, op: Op, micro_batches, losses, output_grads) -> None:
         layer = self.layers[op.layer]
@@ -114,9 +146,3 @@ class Executor:
         layer.accumulate_grads(self.grad_accumulate_dtype)
         if layer.index > 0:
             output_grads[micro_batch] = layer_input.grad
-
-    def _optimizer_step(self) -> StepDecision:
-        decision = self.optimizer.decide_step()
-        for layer in self.layers:
-            self.optimizer.update_layer(layer, decision)
-        return decision

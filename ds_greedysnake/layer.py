@@ -1,8 +1,11 @@
 """One owner per layer: where its parameters are, and its gradient over the micro-batches of a step.
 
-A layer's low-precision parameters live in one SSD region as a flat vector. ``prefetch`` starts
-reading it into a host buffer from a small shared pool, ``fetch`` waits and points the module's
-parameters at it on the device, ``release`` drops them; each verb is a no-op when already done.
+A layer's low-precision parameters live on SSD as a flat vector, in one of two slots: the
+optimizer writes new weights into the slot not in use and commits it with the completion handle
+of that update. ``prefetch`` starts reading the committed slot into a host buffer from a small
+shared pool (unless its update is still running), ``fetch`` waits for the update and the read and
+points the module's parameters at the data on the device, ``release`` drops them. Each verb is a
+no-op when already done.
 """
 from enum import Enum
 from typing import List, Optional
@@ -12,6 +15,7 @@ from torch import nn
 
 from . import deepspeed_compat
 from .ssd import Region, SsdStore, aligned_buffer
+from .updates import UpdateHandle
 
 
 class Residency(Enum):
@@ -46,7 +50,9 @@ class LayerOwner:
         self.compute_dtype = compute_dtype
         self.device = device
         self.state = Residency.RESIDENT  # the module holds its initial weights until offload()
-        self.region: Optional[Region] = None
+        self.param_regions: List[Region] = []
+        self.param_slot = 0
+        self.pending_update: Optional[UpdateHandle] = None
         self._store: Optional[SsdStore] = None
         self._pool: Optional[BufferPool] = None
         self._host_buffer: Optional[torch.Tensor] = None
@@ -65,6 +71,11 @@ class LayerOwner:
     def payload_bytes(self) -> int:
         return self.numel * torch.empty(0, dtype=self.compute_dtype).element_size()
 
+    @property
+    def region(self) -> Region:
+        """The committed parameter slot."""
+        return self.param_regions[self.param_slot]
+
     def flat_parameters(self) -> torch.Tensor:
         """The current weights as one flat host vector in the compute dtype (initialisation only).
 
@@ -77,32 +88,47 @@ class LayerOwner:
             deepspeed_compat.drop_zero3_partition(param)
         return flat
 
-    def offload(self, store: SsdStore, region: Region, pool: BufferPool, flat: torch.Tensor) -> None:
+    def offload(self, store: SsdStore, pool: BufferPool, flat: torch.Tensor) -> None:
         """Write the initial weights to SSD and drop them from memory."""
-        self._store, self.region, self._pool = store, region, pool
-        self.write_parameters(flat)
+        self._store, self._pool = store, pool
+        self.param_regions = [store.create_region(f"l{self.index}_s{slot}", self.payload_bytes, "param")
+                              for slot in (0, 1)]
         self._drop_parameters()
         self.state = Residency.ON_SSD
+        self.overwrite_weights(flat)
 
-    def write_parameters(self, flat: torch.Tensor) -> None:
-        """Store new weights (after an optimizer step); the layer must not be resident."""
-        assert self.state != Residency.READING
+    def overwrite_weights(self, flat: torch.Tensor) -> None:
+        """Replace the committed weights (initialisation, loading a checkpoint); layer not in use."""
+        assert self.state == Residency.ON_SSD and self.pending_update is None, (self.index, self.state)
         buffer = self._pool.acquire()
         buffer[:self.payload_bytes].view(self.compute_dtype).copy_(flat)
         self._store.write(self.region, buffer)
         self._pool.give_back(buffer)
 
+    def commit_update(self, param_slot: int, handle: UpdateHandle) -> None:
+        """New weights are (being) written to ``param_slot``; readers wait on ``handle`` first."""
+        assert self.state == Residency.ON_SSD, f"layer {self.index} updated while {self.state.value}"
+        self.param_slot = param_slot
+        self.pending_update = handle
+
+    def wait_for_update(self) -> None:
+        if self.pending_update is not None:
+            self.pending_update.wait()
+            self.pending_update = None
+
     def prefetch(self) -> None:
         if self.state != Residency.ON_SSD:
             return
-        self._host_buffer = self._pool.acquire()
-        self._store.start_read(self.region, self._host_buffer)
-        self.state = Residency.READING
+        if self.pending_update is not None and not self.pending_update.done():
+            return  # its new weights are still being written; fetch waits for them
+        self._start_read()
 
     def fetch(self) -> None:
         if self.state == Residency.RESIDENT:
             return
-        self.prefetch()
+        if self.state == Residency.ON_SSD:
+            self.wait_for_update()
+            self._start_read()
         self._store.finish_read()
         flat = self._host_buffer[:self.payload_bytes].view(self.compute_dtype)
         if flat.device != self.device:
@@ -127,6 +153,12 @@ class LayerOwner:
             self._host_buffer = None
         self.state = Residency.ON_SSD
 
+    def _start_read(self) -> None:
+        self.pending_update = None  # finished: polled or waited by the caller
+        self._host_buffer = self._pool.acquire()
+        self._store.start_read(self.region, self._host_buffer)
+        self.state = Residency.READING
+
     def _drop_parameters(self) -> None:
         for param in self.params:
             param.data = torch.empty(0, dtype=self.compute_dtype, device=self.device)
@@ -149,3 +181,8 @@ class LayerOwner:
         assert self._grad_accumulator is not None, f"layer {self.index} has no gradient this step"
         grads, self._grad_accumulator = self._grad_accumulator, None
         return grads
+
+    def discard_grads(self) -> None:
+        self._grad_accumulator = None
+        for param in self.params:
+            param.grad = None

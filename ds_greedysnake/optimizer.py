@@ -1,20 +1,25 @@
 """Adam over SSD-resident optimizer states, one layer at a time, split into global and per-layer parts.
 
-Per layer, one SSD region holds [fp32 master | exp_avg | exp_avg_sq] and another the fp32
-gradient accumulated over the step. The global part of a step (gradient norm, non-finite check,
-clip coefficient, learning rate, step count) needs every layer's gradient and is decided once;
-the per-layer update then reads that layer's states and gradient, runs DeepSpeed's CPU Adam
-kernel, writes the states back and hands the new low-precision weights to the layer.
+Per layer, two SSD slots each hold [fp32 master | exp_avg | exp_avg_sq], and one region holds the
+fp32 gradient accumulated over the step. An update reads the committed slot and writes the other
+one (and the layer's other parameter slot), so an update made before the step's global decision
+(speculative, during backward) is committed by flipping the slot, or discarded by not flipping it:
+a skipped step leaves every layer exactly as it was.
+
+The global part of a step (gradient norm, non-finite skip, clip coefficient, learning rate and
+step count) needs every layer's gradient and is decided once, in ``decide_step``.
 """
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from .checkpoint import LayerState
 from .deepspeed_compat import AdamHyperparameters, CpuAdamKernel
 from .layer import LayerOwner
 from .ssd import Region, SsdStore, aligned_buffer, padded_size
+from .updates import InlineUpdater, UpdateHandle, Updater, UpdateTask, WorkerUpdater, plan_write
 
 _KNOWN_ADAM_PARAMS = {"lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode", "torch_adam"}
 
@@ -29,7 +34,7 @@ class StepDecision:
     hyper: AdamHyperparameters
 
 
-def adam_settings(ds_optimizer: Dict[str, Any]):
+def adam_settings(ds_optimizer: Dict[str, Any]) -> Tuple[AdamHyperparameters, bool]:
     """Hyperparameters and AdamW mode from ds_config's "optimizer" block, as DeepSpeed reads it."""
     params = dict(ds_optimizer.get("params", {}))
     unknown = set(params) - _KNOWN_ADAM_PARAMS
@@ -45,38 +50,52 @@ def adam_settings(ds_optimizer: Dict[str, Any]):
     return hyper, adamw_mode
 
 
-class LayerwiseAdam:
-    """Looks like a torch optimizer to DeepSpeed's lr schedulers (``param_groups[0]["lr"]``)."""
+class LayerwiseAdam(torch.optim.Optimizer):
+    """A torch optimizer to lr schedulers (DeepSpeed's and PyTorch's): they set ``param_groups[0]["lr"]``,
+    which each step's decision reads. Its one parameter is an empty placeholder: the real weights
+    live on SSD and are updated layer by layer, never through ``step()``."""
 
-    def __init__(self, layers: List[LayerOwner], store: SsdStore, ds_optimizer: Dict[str, Any],
-                 gradient_clipping: float):
-        hyper, adamw_mode = adam_settings(ds_optimizer)
-        self.param_groups = [{"params": [], "lr": hyper.lr, "betas": (hyper.beta1, hyper.beta2), "eps": hyper.eps,
-                              "weight_decay": hyper.weight_decay, "bias_correction": hyper.bias_correction}]
-        self.state: Dict[Any, Any] = {}
+    def __init__(self, layers: List[LayerOwner], store: SsdStore, ds_config: Dict[str, Any],
+                 gradient_clipping: float, overlap: bool, worker_threads: int):
+        hyper, adamw_mode = adam_settings(ds_config["optimizer"])
+        defaults = {"lr": hyper.lr, "betas": (hyper.beta1, hyper.beta2), "eps": hyper.eps,
+                    "weight_decay": hyper.weight_decay, "bias_correction": hyper.bias_correction}
+        super().__init__([torch.nn.Parameter(torch.zeros(0))], defaults)
         self.gradient_clipping = gradient_clipping
         self.step_count = 0
         self.skipped_steps = 0
-        self._kernel = CpuAdamKernel(hyper, adamw_mode)
         self._layers = layers
         self._store = store
-        self._state_regions: List[Region] = []
+        self._state_regions: List[List[Region]] = []
+        self._state_slot: List[int] = [0] * len(layers)
         self._grad_regions: List[Region] = []
         self._grad_sq_norms: List[Optional[float]] = [None] * len(layers)
+        self._speculative: Dict[int, Tuple[UpdateHandle, int, int]] = {}
+        self._next_task_id = 0
         largest = max(layer.numel for layer in layers)
         self._state_buffer = aligned_buffer(padded_size(12 * largest))
         self._grad_buffer = aligned_buffer(padded_size(4 * largest))
         for layer in layers:
-            self._state_regions.append(store.create_region(f"opt_l{layer.index}", 12 * layer.numel, "optimizer"))
+            self._state_regions.append([store.create_region(f"opt_l{layer.index}_s{slot}", 12 * layer.numel,
+                                                            "optimizer") for slot in (0, 1)])
             self._grad_regions.append(store.create_region(f"grad_l{layer.index}", 4 * layer.numel, "grad"))
+        if overlap:
+            self.updater: Updater = WorkerUpdater(store.counters, store.folder, store.ds_config, hyper, adamw_mode,
+                                                  largest, worker_threads)
+        else:
+            self.updater = InlineUpdater(store, CpuAdamKernel(hyper, adamw_mode), largest)
+
+    @property
+    def needs_every_gradient_first(self) -> bool:
+        """Clipping scales every layer by a global norm: no update may start before backward ends."""
+        return self.gradient_clipping > 0
 
     def initialise_layer(self, layer: LayerOwner, master: torch.Tensor) -> None:
         """Write the fp32 master weights and zero moments of a layer before its first step."""
-        states = self._state_views(layer)
-        states[0].copy_(master)
-        states[1].zero_()
-        states[2].zero_()
-        self._store.write(self._state_regions[layer.index], self._state_buffer)
+        states = self._state_buffer[:12 * layer.numel].view(torch.float32)
+        states[:layer.numel].copy_(master)
+        states[layer.numel:].zero_()
+        self._store.write(self._state_regions[layer.index][0], self._state_buffer)
 
     def receive_gradient(self, layer: LayerOwner, grads: torch.Tensor) -> None:
         """Take a layer's gradient for this step (once per step) and move it to SSD."""
@@ -85,16 +104,17 @@ class LayerwiseAdam:
         self._grad_sq_norms[layer.index] = float(host_grads.double().pow(2).sum())
         self._store.write(self._grad_regions[layer.index], self._grad_buffer)
 
+    def provisional_decision(self) -> StepDecision:
+        """What the decision will be if every gradient turns out finite (valid without clipping)."""
+        assert not self.needs_every_gradient_first
+        return StepDecision(self.step_count + 1, 1.0, float("nan"), False, self._hyper())
+
     def decide_step(self) -> StepDecision:
-        """The global part: needs every layer's gradient of this step."""
+        """The global part: needs every layer's gradient of this step; resolves speculative updates."""
         missing = [index for index, value in enumerate(self._grad_sq_norms) if value is None]
         assert not missing, f"layers {missing} handed no gradient this step"
         norm = math.sqrt(sum(self._grad_sq_norms))
         self._grad_sq_norms = [None] * len(self._layers)
-        group = self.param_groups[0]
-        hyper = AdamHyperparameters(lr=float(group["lr"]), beta1=group["betas"][0], beta2=group["betas"][1],
-                                    eps=group["eps"], weight_decay=group["weight_decay"],
-                                    bias_correction=group["bias_correction"])
         skipped = not math.isfinite(norm)
         coefficient = 1.0
         if self.gradient_clipping > 0 and not skipped:
@@ -105,32 +125,89 @@ class LayerwiseAdam:
             self.skipped_steps += 1
         else:
             self.step_count += 1
-        return StepDecision(self.step_count, coefficient, norm, skipped, hyper)
+        for layer_index, (handle, state_slot, param_slot) in self._speculative.items():
+            if not skipped:
+                self._commit(self._layers[layer_index], handle, state_slot, param_slot)
+        self._speculative.clear()
+        return StepDecision(self.step_count, coefficient, norm, skipped, self._hyper())
 
-    def update_layer(self, layer: LayerOwner, decision: StepDecision) -> None:
-        """The per-layer part: read states and gradient, Adam, write states and new weights."""
+    def update_layer(self, layer: LayerOwner, decision: StepDecision, speculative: bool) -> None:
+        """Submit the per-layer part: Adam on the committed slot, results into the other slots."""
         if decision.skipped:
             return
-        self._store.read(self._state_regions[layer.index], self._state_buffer)
-        self._store.read(self._grad_regions[layer.index], self._grad_buffer)
-        master, exp_avg, exp_avg_sq = self._state_views(layer)
-        grads = self._grad_buffer[:4 * layer.numel].view(torch.float32)
-        if decision.clip_coefficient != 1.0:
-            grads.mul_(decision.clip_coefficient)
-        self._kernel.update(decision.step, decision.hyper, master, grads, exp_avg, exp_avg_sq)
-        self._store.write(self._state_regions[layer.index], self._state_buffer)
-        layer.write_parameters(master)
+        state_slot = 1 - self._state_slot[layer.index]
+        param_slot = 1 - layer.param_slot
+        self._next_task_id += 1
+        task = UpdateTask(self._next_task_id, layer.index, layer.numel, layer.compute_dtype,
+                          state_in=self._state_regions[layer.index][self._state_slot[layer.index]],
+                          state_out=plan_write(self._state_regions[layer.index][state_slot]),
+                          grad=self._grad_regions[layer.index],
+                          param_out=plan_write(layer.param_regions[param_slot]),
+                          step=decision.step, hyper=decision.hyper, clip_coefficient=decision.clip_coefficient)
+        handle = self.updater.submit(task)
+        if speculative:
+            self._speculative[layer.index] = (handle, state_slot, param_slot)
+        else:
+            self._commit(layer, handle, state_slot, param_slot)
+
+    def abandon_step(self) -> None:
+        """A step failed before its decision: forget its gradients and discard its speculative updates."""
+        self._grad_sq_norms = [None] * len(self._layers)
+        self._speculative.clear()
+
+    def flush(self) -> None:
+        """Wait for every submitted update (before reading states or parameters from outside)."""
+        self.updater.drain()
 
     def read_master(self, layer: LayerOwner) -> torch.Tensor:
         """A copy of a layer's fp32 master weights (for checks and gathering the full model)."""
-        self._store.read(self._state_regions[layer.index], self._state_buffer)
-        return self._state_views(layer)[0].clone()
+        return self.read_layer_state(layer).master
 
-    def _state_views(self, layer: LayerOwner):
-        flat = self._state_buffer[:12 * layer.numel].view(torch.float32)
-        return flat[:layer.numel], flat[layer.numel:2 * layer.numel], flat[2 * layer.numel:]
+    def read_layer_state(self, layer: LayerOwner) -> LayerState:
+        """Copies of a layer's committed fp32 master weights and Adam moments."""
+        self.flush()
+        self._store.read(self._state_regions[layer.index][self._state_slot[layer.index]], self._state_buffer)
+        states = self._state_buffer[:12 * layer.numel].view(torch.float32)
+        return LayerState(*(part.clone() for part in states.split(layer.numel)))
 
-    # torch-optimizer surface DeepSpeed's engine and schedulers touch
+    def restore_layer(self, layer: LayerOwner, state: LayerState, with_moments: bool) -> None:
+        """Overwrite a layer's committed states (and its weights, their cast) from a checkpoint."""
+        if not with_moments:
+            current = self.read_layer_state(layer)
+            state = LayerState(state.master, current.exp_avg, current.exp_avg_sq)
+        self.flush()
+        layer.wait_for_update()
+        states = self._state_buffer[:12 * layer.numel].view(torch.float32)
+        for part, value in zip(states.split(layer.numel), (state.master, state.exp_avg, state.exp_avg_sq)):
+            part.copy_(value)
+        self._store.write(self._state_regions[layer.index][self._state_slot[layer.index]], self._state_buffer)
+        layer.overwrite_weights(state.master)
+
+    def counters_state(self) -> Dict[str, Any]:
+        return {"step_count": self.step_count, "skipped_steps": self.skipped_steps,
+                "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]}
+
+    def load_counters_state(self, state: Dict[str, Any]) -> None:
+        self.step_count, self.skipped_steps = state["step_count"], state["skipped_steps"]
+        for group, saved in zip(self.param_groups, state["param_groups"]):
+            group.update(saved)
+
+    def close(self) -> None:
+        self.updater.close()
+
+    def _commit(self, layer: LayerOwner, handle: UpdateHandle, state_slot: int, param_slot: int) -> None:
+        # Readers wait on the handle before they read the slots committed here.
+        self._state_slot[layer.index] = state_slot
+        layer.commit_update(param_slot, handle)
+
+    def _hyper(self) -> AdamHyperparameters:
+        group = self.param_groups[0]
+        return AdamHyperparameters(lr=float(group["lr"]), beta1=group["betas"][0], beta2=group["betas"][1],
+                                   eps=group["eps"], weight_decay=group["weight_decay"],
+                                   bias_correction=group["bias_correction"])
+
+    def step(self, closure=None):
+        raise RuntimeError("the greedysnake optimizer steps inside engine.train_batch(); do not call step()")
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        return None
-
+        return None  # gradients are accumulated and handed over by the layer owners

@@ -26,7 +26,8 @@ class OpKind(str, Enum):
     LOSS_BACKWARD = "loss_backward"  # last layer: forward, loss and backward of one micro-batch
     FLUSH_GRADS = "flush_grads"  # hand the layer's gradient, accumulated over all M, to the optimizer
     RELEASE = "release"          # drop a layer's resident parameters
-    OPTIMIZER_STEP = "optimizer_step"  # global norm/clip decision and every layer's Adam update
+    DECIDE_STEP = "decide_step"  # the global part of the optimizer step: norm, skip, clip, lr, step count
+    UPDATE = "update"            # submit a layer's Adam update; before decide_step it is speculative
 
 
 @dataclass(frozen=True)
@@ -49,12 +50,27 @@ def micro_batch_order(layer: int, num_micro_batches: int) -> List[int]:
     return ascending if layer % 2 == 0 else ascending[::-1]
 
 
-def build_step_schedule(num_layers: int, num_micro_batches: int, prefetch: bool = True) -> List[Op]:
-    """Every operation of one training step, in the order the executor runs them."""
+def build_step_schedule(num_layers: int, num_micro_batches: int, prefetch: bool = True,
+                        overlap: bool = False, deferred_layers: Optional[int] = None) -> List[Op]:
+    """Every operation of one training step, in the order the executor runs them.
+
+    Without overlap every layer's update follows the global decision at the end of backward. With
+    overlap, layers ``deferred_layers`` .. L-1 are updated during backward, speculatively, right after
+    their gradient is flushed (committed or discarded by the decision), and layers 0 .. deferred_layers-1
+    after the decision; those updates run asynchronously into the next step's forward. Either way a
+    layer's fetch waits for its pending update (the handle it holds): optimizer(l) before forward(l).
+    """
     if num_layers < 2:
         raise ValueError(f"num_layers must be at least 2 (an input layer and an output layer), got {num_layers}")
     if num_micro_batches < 1:
         raise ValueError(f"num_micro_batches must be at least 1, got {num_micro_batches}")
+    if deferred_layers is None:
+        deferred_layers = num_layers if not overlap else default_deferred_layers(num_layers)
+    if not 0 <= deferred_layers <= num_layers:
+        raise ValueError(f"deferred_layers must be between 0 and the number of layers ({num_layers}), "
+                         f"got {deferred_layers}")
+    if not overlap:
+        deferred_layers = num_layers
     last = num_layers - 1
     ops: List[Op] = []
 
@@ -76,8 +92,17 @@ def build_step_schedule(num_layers: int, num_micro_batches: int, prefetch: bool 
         ops.extend(Op(kind, layer, mb) for mb in micro_batch_order(layer, num_micro_batches))
         ops.append(Op(OpKind.FLUSH_GRADS, layer))
         ops.append(Op(OpKind.RELEASE, layer))
-    ops.append(Op(OpKind.OPTIMIZER_STEP))
+        if layer >= deferred_layers:
+            ops.append(Op(OpKind.UPDATE, layer))
+    ops.append(Op(OpKind.DECIDE_STEP))
+    # Front layers first: the next forward needs layer 0 first.
+    ops.extend(Op(OpKind.UPDATE, layer) for layer in range(deferred_layers))
     return ops
+
+
+def default_deferred_layers(num_layers: int) -> int:
+    """A quarter of the layers, at least one (the reference defers a quarter of each layer's parameters)."""
+    return max(1, round(0.25 * num_layers))
 
 
 def format_schedule(ops: List[Op]) -> str:

@@ -81,6 +81,7 @@ class SsdStore:
 
     def __init__(self, folder: str, ds_config: dict, counters: IoCounters, name: str):
         self.folder = folder
+        self.ds_config = ds_config
         self.counters = counters
         self.name = name
         self._handle = deepspeed_compat.new_aio_handle(ds_config)

@@ -14,6 +14,6 @@ def test_greedysnake_parameter_reads_are_flat_in_micro_batches(tmp_path):
         reads[num_micro_batches] = run.metrics[-1].ssd_bytes_read["param"]
         num_layers = len(run.engine.layers)
         assert run.metrics[-1].ssd_reads["param"] == 2 * num_layers - 1
-        # Gradients leave once per step and optimizer states are read once per step, whatever M.
-        assert run.metrics[-1].ssd_reads["grad"] == run.metrics[-1].ssd_reads["optimizer"] == num_layers
+        # Each layer's gradient leaves once per step, whatever M.
+        assert run.engine.io_counters.writes["grad"] == 2 * num_layers
     assert abs(reads[8] - reads[2]) <= 0.05 * reads[2]

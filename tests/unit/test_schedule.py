@@ -3,8 +3,8 @@ import itertools
 
 import pytest
 
-from ds_greedysnake.schedule import (OpKind, build_step_schedule, format_schedule, micro_batch_order,
-                                     parameter_reads_per_step)
+from ds_greedysnake.schedule import (Op, OpKind, build_step_schedule, default_deferred_layers, format_schedule,
+                                     micro_batch_order, parameter_reads_per_step)
 
 SIZES = list(itertools.product(range(2, 7), range(1, 6), [True, False]))
 
@@ -70,11 +70,11 @@ def test_layers_are_resident_exactly_when_used(num_layers, num_micro_batches, pr
         elif op.kind == OpKind.FLUSH_GRADS:
             assert backward_done[op.layer] == num_micro_batches and op.layer not in flushed
             flushed.add(op.layer)
-        elif op.kind == OpKind.OPTIMIZER_STEP:
+        elif op.kind == OpKind.DECIDE_STEP:
             assert flushed == set(range(num_layers)) and not resident and not in_flight
         # At most one read in flight: the prefetch pool holds two buffers (current + next).
         assert len(in_flight) <= 1
-    assert ops[-1].kind == OpKind.OPTIMIZER_STEP
+    assert ops[-1].kind in (OpKind.DECIDE_STEP, OpKind.UPDATE)
     assert reads == parameter_reads_per_step(num_layers) == 2 * num_layers - 1
     if prefetch:
         # Every fetch but the very first finds its read already started.
@@ -82,6 +82,43 @@ def test_layers_are_resident_exactly_when_used(num_layers, num_micro_batches, pr
         for index in fetches:
             earlier = [op for op in ops[:index] if op.kind == OpKind.PREFETCH and op.layer == ops[index].layer]
             assert earlier
+
+
+OVERLAP_SIZES = [(layers, mbs, deferred) for layers in range(2, 7) for mbs in (1, 3)
+                 for deferred in [None] + list(range(layers + 1))]
+
+
+@pytest.mark.parametrize("num_layers,num_micro_batches,deferred", OVERLAP_SIZES)
+def test_every_layer_updated_once_after_its_gradient(num_layers, num_micro_batches, deferred):
+    ops = build_step_schedule(num_layers, num_micro_batches, overlap=True, deferred_layers=deferred)
+    deferred = default_deferred_layers(num_layers) if deferred is None else deferred
+    positions = {op: index for index, op in enumerate(ops)}
+    decide = positions[Op(OpKind.DECIDE_STEP)]
+    updates = [op.layer for op in ops if op.kind == OpKind.UPDATE]
+    assert sorted(updates) == list(range(num_layers))
+    for layer in range(num_layers):
+        update = positions[Op(OpKind.UPDATE, layer)]
+        assert update > positions[Op(OpKind.FLUSH_GRADS, layer)]
+        # Speculative (before the decision) exactly for the layers not deferred.
+        assert (update < decide) == (layer >= deferred)
+        # A layer is never updated while resident: its release comes first.
+        releases = [i for i, op in enumerate(ops) if op == Op(OpKind.RELEASE, layer)]
+        assert releases[-1] < update
+    # Deferred updates follow the decision front layer first: the next forward needs layer 0 first.
+    assert updates[num_layers - deferred:] == list(range(deferred))
+
+
+@pytest.mark.parametrize("num_layers", range(2, 7))
+def test_without_overlap_every_update_follows_the_decision(num_layers):
+    ops = build_step_schedule(num_layers, 2, overlap=False, deferred_layers=1)
+    decide = ops.index(Op(OpKind.DECIDE_STEP))
+    assert [op for op in ops[decide + 1:]] == [Op(OpKind.UPDATE, layer) for layer in range(num_layers)]
+    assert all(op.kind != OpKind.UPDATE for op in ops[:decide])
+
+
+def test_deferred_layers_out_of_range():
+    with pytest.raises(ValueError, match="deferred_layers must be between 0 and the number of layers \\(3\\), got 4"):
+        build_step_schedule(3, 2, overlap=True, deferred_layers=4)
 
 
 def test_parameter_reads_do_not_depend_on_micro_batches():
@@ -97,7 +134,7 @@ def test_order_alternates():
 def test_printable():
     text = format_schedule(build_step_schedule(2, 2))
     assert text.startswith("prefetch[0] fetch[0] prefetch[1] forward[0,0] forward[0,1] release[0]")
-    assert text.endswith("optimizer_step")
+    assert text.endswith("release[0] decide_step update[0] update[1]")
 
 
 @pytest.mark.parametrize("num_layers,num_micro_batches", [(1, 2), (0, 1), (3, 0)])

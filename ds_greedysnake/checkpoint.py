@@ -1,0 +1,132 @@
+"""Checkpoints of SSD-resident training state, written to a temporary folder and published atomically.
+
+Layout of ``<save_dir>/<tag>/``: one ``layer_<i>.rank<r>.pt`` per layer (fp32 master weights and
+Adam moments; the low-precision weights are their cast), and ``state.rank<r>.pt`` with the step
+counts, learning-rate scheduler, optimizer hyperparameters and the client state. Everything is
+written under ``<save_dir>/.tmp.<tag>.<pid>``, fsynced, then renamed to ``<tag>``; the ``latest``
+file moves (write, fsync, rename) only after that. A process killed at any moment of a save leaves
+the previous checkpoint and ``latest`` as they were.
+"""
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+import torch
+
+FORMAT_VERSION = 1
+LATEST = "latest"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or loaded; the message names the path."""
+
+
+@dataclass
+class LayerState:
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+
+
+def _fsync_path(path: str) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _save_durably(obj: Any, path: str) -> None:
+    with open(path, "wb") as handle:
+        torch.save(obj, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+class CheckpointWriter:
+    """Writes one rank's files of one checkpoint; ``publish`` makes it visible."""
+
+    def __init__(self, save_dir: str, tag: str, rank: int):
+        if not tag or os.sep in tag or tag.startswith("."):
+            raise CheckpointError(f"checkpoint tag {tag!r} must be a plain folder name (no '/', not hidden)")
+        self.save_dir, self.tag, self.rank = save_dir, tag, rank
+        self.final = os.path.join(save_dir, tag)
+        self.staging = os.path.join(save_dir, f".tmp.{tag}.{os.getpid()}")
+        os.makedirs(save_dir, exist_ok=True)
+        shutil.rmtree(self.staging, ignore_errors=True)
+        os.makedirs(self.staging)
+
+    def write_layer(self, index: int, state: LayerState) -> None:
+        _save_durably({"master": state.master, "exp_avg": state.exp_avg, "exp_avg_sq": state.exp_avg_sq},
+                      os.path.join(self.staging, f"layer_{index}.rank{self.rank}.pt"))
+
+    def write_state(self, state: Dict[str, Any]) -> None:
+        _save_durably(dict(state, format_version=FORMAT_VERSION),
+                      os.path.join(self.staging, f"state.rank{self.rank}.pt"))
+
+    def publish(self, save_latest: bool) -> str:
+        _fsync_path(self.staging)
+        if os.path.exists(self.final):
+            # Replacing a checkpoint of the same tag: move the old one aside first, so a crash leaves
+            # either the old or the new one under the tag, then remove it.
+            retired = os.path.join(self.save_dir, f".old.{self.tag}.{os.getpid()}")
+            os.rename(self.final, retired)
+            os.rename(self.staging, self.final)
+            shutil.rmtree(retired, ignore_errors=True)
+        else:
+            os.rename(self.staging, self.final)
+        _fsync_path(self.save_dir)
+        if save_latest:
+            pointer = os.path.join(self.save_dir, f".tmp.{LATEST}.{os.getpid()}")
+            with open(pointer, "w") as handle:
+                handle.write(self.tag)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(pointer, os.path.join(self.save_dir, LATEST))
+            _fsync_path(self.save_dir)
+        return self.final
+
+    def abandon(self) -> None:
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def resolve_tag(load_dir: str, tag: Optional[str]) -> str:
+    if tag is not None:
+        return tag
+    pointer = os.path.join(load_dir, LATEST)
+    if not os.path.isfile(pointer):
+        raise CheckpointError(f"no tag given and no '{LATEST}' file in {load_dir}: pass tag= or save a checkpoint first")
+    with open(pointer) as handle:
+        return handle.read().strip()
+
+
+class CheckpointReader:
+
+    def __init__(self, load_dir: str, tag: str, rank: int, num_layers: int):
+        self.folder = os.path.join(load_dir, tag)
+        self.rank = rank
+        if not os.path.isdir(self.folder):
+            raise CheckpointError(f"checkpoint {self.folder} does not exist")
+        self.state = self._load(f"state.rank{rank}.pt")
+        if self.state.get("format_version") != FORMAT_VERSION:
+            raise CheckpointError(f"{self.folder} has format version {self.state.get('format_version')}, "
+                                  f"this ds_greedysnake reads {FORMAT_VERSION}")
+        if self.state["num_layers"] != num_layers:
+            raise CheckpointError(f"{self.folder} holds {self.state['num_layers']} layers, the model has {num_layers}")
+
+    def read_layer(self, index: int, numel: int) -> LayerState:
+        saved = self._load(f"layer_{index}.rank{self.rank}.pt")
+        state = LayerState(saved["master"], saved["exp_avg"], saved["exp_avg_sq"])
+        if state.master.numel() != numel:
+            raise CheckpointError(f"layer {index} in {self.folder} has {state.master.numel()} parameters, "
+                                  f"the model's has {numel}")
+        return state
+
+    def _load(self, name: str) -> Dict[str, Any]:
+        path = os.path.join(self.folder, name)
+        try:
+            return torch.load(path, map_location="cpu", weights_only=False)
+        except (OSError, RuntimeError, EOFError) as error:
+            raise CheckpointError(f"cannot read {path}: {error}") from None
+

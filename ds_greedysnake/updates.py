@@ -1,0 +1,256 @@
+"""Per-layer Adam updates, run inline or in a worker process, each with a completion handle.
+
+An update is plain data (``UpdateTask``): which regions to read (fp32 master, moments, gradient),
+which to write (the other state slot, the other parameter slot) and the step's decision. The same
+``execute_update`` runs it in the main process (overlap off) or in a worker process (overlap on):
+DeepSpeedCPUAdam holds the GIL, so a thread would block training, while a process runs truly in
+parallel with its own aio handle (the aio handle and buffers are not shared between processes).
+"""
+import copy
+import os
+import subprocess
+import sys
+import time
+import traceback
+from multiprocessing.connection import Connection
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch
+
+from .deepspeed_compat import AdamHyperparameters, CpuAdamKernel
+from .ssd import IoCounters, Region, SsdStore, aligned_buffer, padded_size
+
+_WORKER_POLL_SECONDS = 1.0
+
+
+@dataclass
+class UpdateTask:
+    task_id: int
+    layer: int
+    numel: int
+    compute_dtype: torch.dtype
+    state_in: Region       # [fp32 master | exp_avg | exp_avg_sq] as committed
+    state_out: Region      # the other slot, written with the updated states
+    grad: Region           # fp32 gradient accumulated over the step
+    param_out: Region      # the layer's other parameter slot, written in the compute dtype
+    step: int
+    hyper: AdamHyperparameters
+    clip_coefficient: float
+
+
+@dataclass
+class UpdateResult:
+    task_id: int
+    seconds: float
+    bytes_read: int
+    bytes_written: int
+    error: Optional[str] = None
+
+
+def plan_write(region: Region) -> Region:
+    """The copy of ``region`` a task carries; the caller's copy moves to the generation the write will stamp.
+
+    The writer (possibly another process) increments its copy's generation when it writes, so both
+    copies agree on the tag without sharing memory.
+    """
+    carried = copy.copy(region)
+    region.generation += 1
+    return carried
+
+
+class UpdateBuffers:
+    """Aligned host buffers for the largest layer; one set per executing process."""
+
+    def __init__(self, largest_numel: int):
+        self.state = aligned_buffer(padded_size(12 * largest_numel))
+        self.grad = aligned_buffer(padded_size(4 * largest_numel))
+        self.params = aligned_buffer(padded_size(4 * largest_numel))
+
+
+def execute_update(task: UpdateTask, store: SsdStore, kernel: CpuAdamKernel, buffers: UpdateBuffers) -> UpdateResult:
+    started = time.perf_counter()
+    read_before = sum(store.counters.bytes_read.values())
+    written_before = sum(store.counters.bytes_written.values())
+    store.read(task.state_in, buffers.state)
+    store.read(task.grad, buffers.grad)
+    states = buffers.state[:12 * task.numel].view(torch.float32)
+    master, exp_avg, exp_avg_sq = states[:task.numel], states[task.numel:2 * task.numel], states[2 * task.numel:]
+    grads = buffers.grad[:4 * task.numel].view(torch.float32)
+    if task.clip_coefficient != 1.0:
+        grads.mul_(task.clip_coefficient)
+    kernel.update(task.step, task.hyper, master, grads, exp_avg, exp_avg_sq)
+    store.write(task.state_out, buffers.state)
+    element_bytes = torch.empty(0, dtype=task.compute_dtype).element_size()
+    buffers.params[:element_bytes * task.numel].view(task.compute_dtype).copy_(master)
+    store.write(task.param_out, buffers.params)
+    return UpdateResult(task.task_id, time.perf_counter() - started,
+                        sum(store.counters.bytes_read.values()) - read_before,
+                        sum(store.counters.bytes_written.values()) - written_before)
+
+
+class UpdateHandle:
+    """Completion of one submitted update; ``wait`` is idempotent."""
+
+    def __init__(self, updater: "Updater", task: UpdateTask):
+        self._updater = updater
+        self.task = task
+        self.result: Optional[UpdateResult] = None
+
+    def done(self) -> bool:
+        if self.result is None:
+            self._updater.poll()
+        return self.result is not None
+
+    def wait(self) -> UpdateResult:
+        if self.result is None:
+            self._updater.wait_for(self)
+        return self.result
+
+
+class Updater:
+    """Where updates run. Subclasses: inline (synchronous) and a worker process."""
+
+    def __init__(self, counters: IoCounters):
+        self.counters = counters
+        self.wait_seconds = 0.0       # time the training loop spent blocked on updates
+        self.update_seconds = 0.0     # time the updates themselves took
+        self._pending: Dict[int, UpdateHandle] = {}
+
+    def submit(self, task: UpdateTask) -> UpdateHandle:
+        raise NotImplementedError
+
+    def poll(self) -> None:
+        pass
+
+    def wait_for(self, handle: UpdateHandle) -> None:
+        raise NotImplementedError
+
+    def drain(self) -> None:
+        for handle in list(self._pending.values()):
+            handle.wait()
+
+    def close(self) -> None:
+        pass
+
+    def _complete(self, result: UpdateResult) -> None:
+        handle = self._pending.pop(result.task_id)
+        if result.error is not None:
+            raise RuntimeError(f"optimizer update of layer {handle.task.layer} failed in the worker:\n{result.error}")
+        handle.result = result
+        self.update_seconds += result.seconds
+        self.counters.bytes_read["optimizer_worker"] += result.bytes_read
+        self.counters.bytes_written["optimizer_worker"] += result.bytes_written
+
+
+class InlineUpdater(Updater):
+    """Runs each update at submission, in this process: the non-overlapped step."""
+
+    def __init__(self, store: SsdStore, kernel: CpuAdamKernel, largest_numel: int):
+        super().__init__(store.counters)
+        self._store, self._kernel = store, kernel
+        self._buffers = UpdateBuffers(largest_numel)
+
+    def submit(self, task: UpdateTask) -> UpdateHandle:
+        handle = UpdateHandle(self, task)
+        started = time.perf_counter()
+        result = execute_update(task, self._store, self._kernel, self._buffers)
+        self.wait_seconds += time.perf_counter() - started
+        handle.result = result
+        self.update_seconds += result.seconds
+        return handle
+
+    def wait_for(self, handle: UpdateHandle) -> None:
+        raise AssertionError("inline updates complete at submission")
+
+
+def worker_main(task_fd: int, result_fd: int) -> None:
+    """The worker process: set up from the first message, then run tasks in order until ``None``."""
+    tasks, results = Connection(task_fd, writable=False), Connection(result_fd, readable=False)
+    folder, ds_config, hyper, adamw_mode, largest_numel, num_threads = tasks.recv()
+    torch.set_num_threads(num_threads)
+    store = SsdStore(folder, ds_config, IoCounters(), "worker")
+    kernel = CpuAdamKernel(hyper, adamw_mode)
+    buffers = UpdateBuffers(largest_numel)
+    results.send("ready")
+    while True:
+        task = tasks.recv()
+        if task is None:
+            return
+        try:
+            result = execute_update(task, store, kernel, buffers)
+        except Exception:  # reported to the training process, which raises it with the layer named
+            result = UpdateResult(task.task_id, 0.0, 0, 0, traceback.format_exc())
+        results.send(result)
+
+
+class WorkerUpdater(Updater):
+    """Runs updates in order in one worker process, while training goes on.
+
+    The worker is a fresh interpreter (``python -m ds_greedysnake.update_worker``) talking over two pipes:
+    multiprocessing's spawn would re-run the user's training script in the child when it has no
+    ``if __name__ == "__main__"`` guard, and fork would copy torch's threads and locks.
+    """
+
+    def __init__(self, counters: IoCounters, folder: str, ds_config: dict, hyper: AdamHyperparameters,
+                 adamw_mode: bool, largest_numel: int, num_threads: int, start_timeout: float = 300.0):
+        super().__init__(counters)
+        task_read, task_write = os.pipe()
+        result_read, result_write = os.pipe()
+        self._process = subprocess.Popen([sys.executable, "-m", "ds_greedysnake.update_worker", str(task_read),
+                                          str(result_write)], pass_fds=(task_read, result_write))
+        os.close(task_read)
+        os.close(result_write)
+        self._tasks = Connection(task_write, readable=False)
+        self._results = Connection(result_read, writable=False)
+        self._tasks.send((folder, ds_config, hyper, adamw_mode, largest_numel, num_threads))
+        self._receive(timeout=start_timeout, expecting="the worker to start")
+
+    def submit(self, task: UpdateTask) -> UpdateHandle:
+        handle = UpdateHandle(self, task)
+        try:
+            self._tasks.send(task)
+        except OSError:
+            self._raise_if_dead(f"layer {task.layer}'s update to be accepted")
+            raise
+        self._pending[task.task_id] = handle
+        return handle
+
+    def poll(self) -> None:
+        while self._results.poll():
+            self._complete(self._results.recv())
+
+    def wait_for(self, handle: UpdateHandle) -> None:
+        started = time.perf_counter()
+        while handle.result is None:
+            self._complete(self._receive(timeout=None, expecting=f"layer {handle.task.layer}'s update"))
+        self.wait_seconds += time.perf_counter() - started
+
+    def close(self) -> None:
+        if self._process.poll() is None:
+            try:
+                self._tasks.send(None)
+                self._process.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self._process.kill()
+        self._tasks.close()
+        self._results.close()
+
+    def __del__(self):
+        if getattr(self, "_process", None) is not None and self._process.poll() is None:
+            self._process.kill()
+
+    def _receive(self, timeout: Optional[float], expecting: str):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._results.poll(_WORKER_POLL_SECONDS):
+            self._raise_if_dead(expecting)
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"the greedysnake optimizer worker did not answer within {timeout:.0f} s "
+                                   f"while training waited for {expecting}")
+        return self._results.recv()
+
+    def _raise_if_dead(self, expecting: str) -> None:
+        if self._process.poll() is not None:
+            raise RuntimeError(f"the greedysnake optimizer worker (pid {self._process.pid}) exited with code "
+                               f"{self._process.returncode} while training waited for {expecting}; the step's "
+                               "updates are lost: load the last checkpoint")
