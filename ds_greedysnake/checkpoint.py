@@ -38,10 +38,15 @@ def _fsync_path(path: str) -> None:
 
 
 def _save_durably(obj: Any, path: str) -> None:
-    with open(path, "wb") as handle:
-        torch.save(obj, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
+    try:
+        with open(path, "wb") as handle:
+            torch.save(obj, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except (OSError, RuntimeError) as error:
+        written = os.path.getsize(path) if os.path.exists(path) else 0
+        raise CheckpointError(f"writing checkpoint file {path} failed after {written} bytes ({error}); "
+                              "the previous checkpoint and 'latest' are untouched") from None
 
 
 class CheckpointWriter:
@@ -53,9 +58,12 @@ class CheckpointWriter:
         self.save_dir, self.tag, self.rank = save_dir, tag, rank
         self.final = os.path.join(save_dir, tag)
         self.staging = os.path.join(save_dir, f".tmp.{tag}.{os.getpid()}")
-        os.makedirs(save_dir, exist_ok=True)
         shutil.rmtree(self.staging, ignore_errors=True)
-        os.makedirs(self.staging)
+        try:
+            os.makedirs(self.staging)
+        except OSError as error:
+            raise CheckpointError(f"writing checkpoint folder {self.staging} failed ({error}); the previous "
+                                  "checkpoint and 'latest' are untouched") from None
 
     def write_layer(self, index: int, state: LayerState) -> None:
         _save_durably({"master": state.master, "exp_avg": state.exp_avg, "exp_avg_sq": state.exp_avg_sq},

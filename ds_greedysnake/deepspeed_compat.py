@@ -156,6 +156,18 @@ class CpuAdamKernel:
                                            eps=hyper.eps, weight_decay=hyper.weight_decay,
                                            adamw_mode=adamw_mode, bias_correction=hyper.bias_correction)
 
+    def replay_steps(self, last_step: int, hyper: AdamHyperparameters) -> None:
+        """Bring the kernel's bias-correction state to ``last_step`` the way training would have.
+
+        The kernel keeps beta^step from call to call, multiplying by beta when the step grows by one
+        and calling pow() otherwise; the two differ in the last bit. A resumed run replays steps
+        1..last_step on a one-element scratch tensor, so its next update is bitwise that of a run
+        that never stopped.
+        """
+        scratch = [torch.zeros(1) for _ in range(4)]
+        for step in range(1, last_step + 1):
+            self.update(step, hyper, *scratch)
+
     def update(self, step: int, hyper: AdamHyperparameters, params: torch.Tensor, grads: torch.Tensor,
                exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
         self._optimizer.ds_opt_adam.adam_update(self._optimizer.opt_id, step, hyper.lr, hyper.beta1, hyper.beta2,

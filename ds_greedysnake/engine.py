@@ -15,7 +15,7 @@ from .executor import Executor, StepResult
 from .layer import BufferPool, LayerOwner
 from .model_split import split_model
 from .optimizer import LayerwiseAdam
-from .ssd import IoCounters, SsdStore, padded_size
+from .ssd import IoCounters, SsdStore, SwapFolderLock, padded_size
 
 
 @dataclass
@@ -77,6 +77,7 @@ class GreedySnakeEngine(EngineBase):
         device = accelerator_device()
         folder = os.path.join(setup.nvme_path, setup.config.swap_dir_name, f"rank{self.global_rank}")
         self.swap_folder = folder
+        self.swap_lock = SwapFolderLock(folder)
         modules = split_model(self.module)
         frozen = [name for name, p in self.module.named_parameters() if not p.requires_grad]
         if frozen:
@@ -143,6 +144,7 @@ class GreedySnakeEngine(EngineBase):
         """Finish pending updates and stop the optimizer worker."""
         self.optimizer.flush()
         self.optimizer.close()
+        self.swap_lock.release()
 
     def master_parameters(self) -> Dict[str, torch.Tensor]:
         """Every parameter's fp32 master weights by name, read back from SSD (pending updates first)."""

@@ -19,7 +19,7 @@ from .checkpoint import LayerState
 from .deepspeed_compat import AdamHyperparameters, CpuAdamKernel
 from .layer import LayerOwner
 from .ssd import Region, SsdStore, aligned_buffer, padded_size
-from .updates import InlineUpdater, UpdateHandle, Updater, UpdateTask, WorkerUpdater, plan_write
+from .updates import InlineUpdater, ReplayTask, UpdateHandle, Updater, UpdateTask, WorkerUpdater, plan_write
 
 _KNOWN_ADAM_PARAMS = {"lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode", "torch_adam"}
 
@@ -191,6 +191,8 @@ class LayerwiseAdam(torch.optim.Optimizer):
         self.step_count, self.skipped_steps = state["step_count"], state["skipped_steps"]
         for group, saved in zip(self.param_groups, state["param_groups"]):
             group.update(saved)
+        self.flush()
+        self.updater.replay(ReplayTask(self.step_count, self._hyper()))
 
     def close(self) -> None:
         self.updater.close()

@@ -8,6 +8,8 @@ op itself, and a read that silently did nothing (misaligned pinned memory, a fai
 would otherwise hand back stale bytes.
 """
 import errno
+import fcntl
+import glob
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -23,6 +25,44 @@ _TAG_BYTES = 8
 
 class SsdIoError(OSError):
     """An SSD read or write failed; the message names the file, the bytes and the return code."""
+
+
+class SwapFolderInUse(RuntimeError):
+    """Another live run owns the swap folder."""
+
+
+class SwapFolderLock:
+    """One run owns a swap folder: an exclusive lock on ``<folder>/.lock``, held while the run lives.
+
+    The kernel drops the lock when its holder dies, so a dead run's folder is taken over: its stale
+    region files are removed, and every region is created afresh.
+    """
+
+    def __init__(self, folder: str):
+        os.makedirs(folder, exist_ok=True)
+        self.path = os.path.join(folder, ".lock")
+        self._descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._descriptor, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(self._descriptor)
+            self._descriptor = None
+            raise SwapFolderInUse(
+                f"swap folder {folder} is in use by another greedysnake run (pid {holder}): give each run its own "
+                "nvme_path (or greedysnake.swap_dir_name), or stop the other run") from None
+        os.ftruncate(self._descriptor, 0)
+        os.pwrite(self._descriptor, f"{os.getpid()}\n".encode(), 0)
+        for stale in glob.glob(os.path.join(folder, "*.bin")):
+            os.remove(stale)
+
+    def release(self) -> None:
+        if self._descriptor is not None:
+            os.close(self._descriptor)  # closing the descriptor drops the lock
+            self._descriptor = None
+
+    def __del__(self):
+        self.release()
 
 
 def round_up(num_bytes: int, multiple: int = ALIGNMENT) -> int:

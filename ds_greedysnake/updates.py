@@ -40,6 +40,13 @@ class UpdateTask:
 
 
 @dataclass
+class ReplayTask:
+    """Bring the executing kernel's step history to ``last_step`` (after loading a checkpoint)."""
+    last_step: int
+    hyper: AdamHyperparameters
+
+
+@dataclass
 class UpdateResult:
     task_id: int
     seconds: float
@@ -120,6 +127,10 @@ class Updater:
     def submit(self, task: UpdateTask) -> UpdateHandle:
         raise NotImplementedError
 
+    def replay(self, task: ReplayTask) -> None:
+        """Runs in order with the updates (call after ``drain``)."""
+        raise NotImplementedError
+
     def poll(self) -> None:
         pass
 
@@ -160,6 +171,9 @@ class InlineUpdater(Updater):
         self.update_seconds += result.seconds
         return handle
 
+    def replay(self, task: ReplayTask) -> None:
+        self._kernel.replay_steps(task.last_step, task.hyper)
+
     def wait_for(self, handle: UpdateHandle) -> None:
         raise AssertionError("inline updates complete at submission")
 
@@ -177,6 +191,9 @@ def worker_main(task_fd: int, result_fd: int) -> None:
         task = tasks.recv()
         if task is None:
             return
+        if isinstance(task, ReplayTask):
+            kernel.replay_steps(task.last_step, task.hyper)
+            continue
         try:
             result = execute_update(task, store, kernel, buffers)
         except Exception:  # reported to the training process, which raises it with the layer named
@@ -215,6 +232,9 @@ class WorkerUpdater(Updater):
             raise
         self._pending[task.task_id] = handle
         return handle
+
+    def replay(self, task: ReplayTask) -> None:
+        self._tasks.send(task)
 
     def poll(self) -> None:
         while self._results.poll():

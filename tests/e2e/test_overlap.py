@@ -92,3 +92,8 @@ def test_dead_worker_is_reported(tmp_path):
     with pytest.raises(RuntimeError, match=f"worker \\(pid {worker.pid}\\) exited with code -9"):
         for _ in range(2):
             engine.train_batch(data(tiny_gpt_config()))
+
+
+def test_deferred_layers_beyond_the_model_are_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"deferred_layers \(9\) exceeds the model's 5 layers"):
+        make_engine(str(tmp_path), 2, greedysnake={"deferred_layers": 9})

@@ -67,3 +67,31 @@ def test_unfilled_region_is_detected(store):
 def test_full_disk_at_allocation_names_file_and_bytes(store):
     with pytest.raises(SsdIoError, match=r"(no space left to allocate|cannot allocate) .*huge"):
         store.create_region("huge", 1 << 62, "param")
+
+
+def test_one_run_owns_a_swap_folder(tmp_path):
+    from ds_greedysnake.ssd import SwapFolderInUse, SwapFolderLock
+
+    (tmp_path / "stale.bin").write_bytes(b"left by a dead run")
+    first = SwapFolderLock(str(tmp_path))
+    assert not (tmp_path / "stale.bin").exists()
+    with pytest.raises(SwapFolderInUse, match=f"in use by another greedysnake run \\(pid {os.getpid()}\\)"):
+        SwapFolderLock(str(tmp_path))
+    first.release()
+    SwapFolderLock(str(tmp_path)).release()  # a dead or finished run's folder is taken over
+
+
+def test_a_killed_owner_frees_the_folder(tmp_path):
+    import subprocess
+    import sys
+    from ds_greedysnake.ssd import SwapFolderLock
+
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
+                               "from ds_greedysnake.ssd import SwapFolderLock; lock = SwapFolderLock(sys.argv[2]); "
+                               "print('locked', flush=True); time.sleep(60)",
+                               os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                               str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    holder.kill()
+    holder.wait()
+    SwapFolderLock(str(tmp_path)).release()
