@@ -3,9 +3,10 @@
 Layout of ``<save_dir>/<tag>/``: one ``layer_<i>.rank<r>.pt`` per layer (fp32 master weights and
 Adam moments; the low-precision weights are their cast), and ``state.rank<r>.pt`` with the step
 counts, learning-rate scheduler, optimizer hyperparameters and the client state. Everything is
-written under ``<save_dir>/.tmp.<tag>.<pid>``, fsynced, then renamed to ``<tag>``; the ``latest``
-file moves (write, fsync, rename) only after that. A process killed at any moment of a save leaves
-the previous checkpoint and ``latest`` as they were.
+written under ``<save_dir>/.tmp.<tag>`` (every rank its own files), fsynced, then renamed to
+``<tag>`` by rank 0 once all ranks are done; the ``latest`` file moves (write, fsync, rename) only
+after that. A process killed at any moment of a save leaves the previous checkpoint and ``latest``
+as they were.
 """
 import os
 import shutil
@@ -50,15 +51,18 @@ def _save_durably(obj: Any, path: str) -> None:
 
 
 class CheckpointWriter:
-    """Writes one rank's files of one checkpoint; ``publish`` makes it visible."""
+    """Writes one rank's files of one checkpoint. Rank 0 ``prepare``s the staging folder before the
+    ranks write and ``publish``es it after all have written (the caller puts barriers between)."""
 
     def __init__(self, save_dir: str, tag: str, rank: int):
         if not tag or os.sep in tag or tag.startswith("."):
             raise CheckpointError(f"checkpoint tag {tag!r} must be a plain folder name (no '/', not hidden)")
         self.save_dir, self.tag, self.rank = save_dir, tag, rank
         self.final = os.path.join(save_dir, tag)
-        self.staging = os.path.join(save_dir, f".tmp.{tag}.{os.getpid()}")
-        shutil.rmtree(self.staging, ignore_errors=True)
+        self.staging = os.path.join(save_dir, f".tmp.{tag}")
+
+    def prepare(self) -> None:
+        shutil.rmtree(self.staging, ignore_errors=True)  # left by a save that was killed
         try:
             os.makedirs(self.staging)
         except OSError as error:
@@ -111,7 +115,7 @@ def resolve_tag(load_dir: str, tag: Optional[str]) -> str:
 
 class CheckpointReader:
 
-    def __init__(self, load_dir: str, tag: str, rank: int, num_layers: int):
+    def __init__(self, load_dir: str, tag: str, rank: int, num_layers: int, world_size: int):
         self.folder = os.path.join(load_dir, tag)
         self.rank = rank
         if not os.path.isdir(self.folder):
@@ -120,6 +124,9 @@ class CheckpointReader:
         if self.state.get("format_version") != FORMAT_VERSION:
             raise CheckpointError(f"{self.folder} has format version {self.state.get('format_version')}, "
                                   f"this ds_greedysnake reads {FORMAT_VERSION}")
+        if self.state["world_size"] != world_size:
+            raise CheckpointError(f"{self.folder} was saved by {self.state['world_size']} ranks and is loaded by "
+                                  f"{world_size}: each rank stores its own shard; resume with the same number of ranks")
         if self.state["num_layers"] != num_layers:
             raise CheckpointError(f"{self.folder} holds {self.state['num_layers']} layers, the model has {num_layers}")
 

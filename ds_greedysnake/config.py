@@ -52,6 +52,10 @@ class GreedySnakeConfig(DeepSpeedConfigModel):
     optimizer_worker_threads: int = Field(1, ge=1)
     """CPU threads of the optimizer worker process (the training process keeps the rest)."""
 
+    collective_timeout_seconds: float = Field(600.0, gt=0)
+    """How long a rank waits in a collective for the others before failing with an error (used when
+    ds_greedysnake.initialize sets up torch.distributed; DeepSpeed's own default is 30 minutes)."""
+
     swap_dir_name: str = "greedysnake"
     """Folder created under ``zero_optimization.offload_param.nvme_path`` for this run's files."""
 

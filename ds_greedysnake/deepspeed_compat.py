@@ -5,7 +5,9 @@ constructor hooks, the async I/O op, the CPU Adam kernel and the ZeRO-Infinity p
 (for counting its reads in A/B comparisons). ``check_deepspeed_internals()`` fails loudly, naming
 the attribute, when a DeepSpeed release drops one of them; a test calls it.
 """
+import atexit
 import contextlib
+import os
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator
 
@@ -200,6 +202,25 @@ def count_zero_param_swap_reads() -> Iterator[SwapReadCounter]:
         yield counter
     finally:
         partitioned_param_swapper.swap_in_tensors = original
+
+
+def remove_shm_buffer_at_exit() -> None:
+    """Remove, when this process exits, the ~69 MB /dev/shm buffer DeepSpeed's CPU comm op made for it.
+
+    The op (csrc/cpu/comm/shm.cpp) names it deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>
+    and never unlinks it; a few hundred runs fill the machine's RAM. Unlinking while other ranks
+    still map it is safe: mappings outlive the name.
+    """
+    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{os.environ.get('RANK', '0')}")
+
+    def remove() -> None:
+        try:
+            os.remove(name)
+        except OSError:
+            pass
+
+    atexit.register(remove)
 
 
 def accelerator_device() -> torch.device:

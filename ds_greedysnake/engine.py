@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, Optional
 
 import torch
+from deepspeed import comm as dist
 from deepspeed.utils import logger
 
 from .activations import ActivationStore
@@ -13,6 +14,7 @@ from .config import GreedySnakeConfig
 from .deepspeed_compat import EngineBase, accelerator_device
 from .executor import Executor, StepResult
 from .layer import BufferPool, LayerOwner
+from .parallel import DataParallel
 from .model_split import split_model
 from .optimizer import LayerwiseAdam
 from .ssd import IoCounters, SsdStore, SwapFolderLock, padded_size
@@ -67,10 +69,6 @@ class GreedySnakeEngine(EngineBase):
 
     # Called by DeepSpeed's constructor once the model is placed and cast.
     def build_optimizer(self) -> LayerwiseAdam:
-        if self.dp_world_size > 1:
-            raise NotImplementedError(
-                f"greedysnake runs one data-parallel rank for now (got {self.dp_world_size}); "
-                'run one process, or set "greedysnake": {"enabled": false} for ZeRO-Infinity')
         setup = self._setup
         self.compute_dtype = torch.bfloat16 if self.bfloat16_enabled() else torch.float32
         accumulate_dtype = torch.float32 if setup.config.fp32_grad_accumulation else self.compute_dtype
@@ -83,7 +81,10 @@ class GreedySnakeEngine(EngineBase):
         if frozen:
             raise ValueError(f"frozen parameters {frozen[:5]} are not supported by greedysnake yet: "
                              "make them trainable or move them out of the model")
-        self.layers = [LayerOwner(index, module, self.compute_dtype, device) for index, module in enumerate(modules)]
+        self.parallel = DataParallel(self.dp_world_size, dist.get_rank(group=self.data_parallel_group), device,
+                                     self.data_parallel_group)
+        self.layers = [LayerOwner(index, module, self.compute_dtype, device, self.parallel)
+                       for index, module in enumerate(modules)]
         param_store = SsdStore(folder, self.ds_config_dict, self.io_counters, "param")
         optimizer_store = SsdStore(folder, self.ds_config_dict, self.io_counters, "optimizer")
         activation_store = SsdStore(folder, self.ds_config_dict, self.io_counters, "activation")
@@ -95,13 +96,13 @@ class GreedySnakeEngine(EngineBase):
         overlap = setup.config.optimizer_overlap
         optimizer = LayerwiseAdam(self.layers, optimizer_store, self.ds_config_dict,
                                   float(self.gradient_clipping() or 0.0), overlap,
-                                  setup.config.optimizer_worker_threads)
+                                  setup.config.optimizer_worker_threads, self.parallel)
         # Two buffers: the layer computing and the one being prefetched.
-        pool = BufferPool(max(padded_size(layer.payload_bytes) for layer in self.layers), count=2)
+        pool = BufferPool(max(padded_size(layer.shard_bytes) for layer in self.layers), count=2)
         for layer in self.layers:
-            flat = layer.flat_parameters()
-            optimizer.initialise_layer(layer, flat.float())
-            layer.offload(param_store, pool, flat)
+            shard = layer.layout.own_shard(layer.flat_parameters())
+            optimizer.initialise_layer(layer, shard.float())
+            layer.offload(param_store, pool, shard)
         budget = int(setup.config.activation_host_memory_mb * 2**20)
         self.activations = ActivationStore(activation_store, budget, device)
         self.executor = Executor(self.layers, self.activations, optimizer, setup.loss_fn, accumulate_dtype,
@@ -130,7 +131,8 @@ class GreedySnakeEngine(EngineBase):
             self.lr_scheduler.step()
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
-        mean_loss = sum(result.losses) / num_micro_batches
+        # The mean over every rank's micro-batches: what one rank with the whole batch would report.
+        mean_loss = self.parallel.sum(sum(result.losses) / num_micro_batches) / self.parallel.world_size
         self.last_step_metrics = self._metrics(result, mean_loss, micro_batches, seconds, before)
         if self.global_rank == 0 and self.global_steps % self.steps_per_print() == 0:
             self._log(self.last_step_metrics)
@@ -152,7 +154,7 @@ class GreedySnakeEngine(EngineBase):
         names = {param: name for name, param in self.module.named_parameters()}
         result = {}
         for layer in self.layers:
-            flat = self.optimizer.read_master(layer)
+            flat = self.parallel.gather(self.optimizer.read_master(layer), layer.layout)
             offset = 0
             for param, shape in zip(layer.params, layer.param_shapes):
                 result[names[param]] = flat[offset:offset + shape.numel()].view(shape).clone()
@@ -166,19 +168,27 @@ class GreedySnakeEngine(EngineBase):
         self.flush()
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
         writer = CheckpointWriter(save_dir, tag, self.global_rank)
+        publisher = self.global_rank == 0
+        if publisher:
+            writer.prepare()
+        self.parallel.barrier()
         try:
             for layer in self.layers:
                 writer.write_layer(layer.index, self.optimizer.read_layer_state(layer))
             writer.write_state({
-                "num_layers": len(self.layers), "global_steps": self.global_steps,
-                "global_samples": self.global_samples, "skipped_steps": self.skipped_steps,
-                "optimizer": self.optimizer.counters_state(),
+                "num_layers": len(self.layers), "world_size": self.parallel.world_size,
+                "global_steps": self.global_steps, "global_samples": self.global_samples,
+                "skipped_steps": self.skipped_steps, "optimizer": self.optimizer.counters_state(),
                 "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
                 "client_state": client_state or {}, "compute_dtype": str(self.compute_dtype)})
-            writer.publish(save_latest)
+            self.parallel.barrier()
+            if publisher:
+                writer.publish(save_latest)
         except BaseException:
-            writer.abandon()
+            if publisher:
+                writer.abandon()
             raise
+        self.parallel.barrier()
         return True
 
     def load_checkpoint(self, load_dir: str, tag=None, load_module_strict: bool = True,
@@ -189,10 +199,10 @@ class GreedySnakeEngine(EngineBase):
             raise ValueError("custom_load_fn is not supported by the greedysnake engine")
         self.flush()
         tag = resolve_tag(load_dir, tag)
-        reader = CheckpointReader(load_dir, tag, self.global_rank, len(self.layers))
+        reader = CheckpointReader(load_dir, tag, self.global_rank, len(self.layers), self.parallel.world_size)
         with_optimizer = load_optimizer_states and not load_module_only
         for layer in self.layers:
-            self.optimizer.restore_layer(layer, reader.read_layer(layer.index, layer.numel), with_optimizer)
+            self.optimizer.restore_layer(layer, reader.read_layer(layer.index, layer.shard_numel), with_optimizer)
         state = reader.state
         if not load_module_only:
             self.global_steps, self.global_samples = state["global_steps"], state["global_samples"]

@@ -1,6 +1,7 @@
 """``initialize``: deepspeed.initialize's signature, the vertical engine when the block enables it."""
 import json
 import types
+from datetime import timedelta
 from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
@@ -10,6 +11,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.config import DeepSpeedConfig
 
 from .config import check_ds_config, parse_greedysnake_config
+from .deepspeed_compat import remove_shm_buffer_at_exit
 from .engine import GreedySnakeEngine
 from .model_split import split_model
 
@@ -38,6 +40,7 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
         raise ValueError("initialize needs loss_fn(output, labels): train_batch computes the loss per micro-batch")
     ds_config = load_config(config)
     greedysnake_config = parse_greedysnake_config(ds_config)
+    remove_shm_buffer_at_exit()
     common = dict(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                   training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu, collate_fn=collate_fn)
     if not greedysnake_config.enabled:
@@ -48,7 +51,8 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
     nvme_path = check_ds_config(ds_config, get_accelerator().device_name())
     split_model(model)  # a model that cannot be split fails here, before any DeepSpeed set-up
     dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
-                          dist_init_required=dist_init_required)
+                          dist_init_required=dist_init_required,
+                          timeout=timedelta(seconds=greedysnake_config.collective_timeout_seconds))
     engine = GreedySnakeEngine(greedysnake_config, loss_fn, nvme_path, dist_init_required=dist_init_required,
                                config=ds_config, config_class=DeepSpeedConfig(ds_config, mpu), **common)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from . import deepspeed_compat
+from .parallel import DataParallel
 from .ssd import Region, SsdStore, aligned_buffer
 from .updates import UpdateHandle
 
@@ -40,13 +41,17 @@ class BufferPool:
 
 class LayerOwner:
 
-    def __init__(self, index: int, module: nn.Module, compute_dtype: torch.dtype, device: torch.device):
+    def __init__(self, index: int, module: nn.Module, compute_dtype: torch.dtype, device: torch.device,
+                 parallel: DataParallel):
         self.index = index
         self.module = module
         self.params: List[nn.Parameter] = list(module.parameters())
         # Shapes are kept here: a released parameter's .data is an empty placeholder.
         self.param_shapes: List[torch.Size] = [deepspeed_compat.logical_shape(p) for p in self.params]
         self.numel = sum(shape.numel() for shape in self.param_shapes)
+        self.parallel = parallel
+        self.layout = parallel.layout(self.numel)
+        self.shard_numel = self.layout.shard_numel  # what this rank stores, on SSD and in the optimizer
         self.compute_dtype = compute_dtype
         self.device = device
         self.state = Residency.RESIDENT  # the module holds its initial weights until offload()
@@ -68,8 +73,8 @@ class LayerOwner:
                     submodule._buffers[name] = buffer.to(device)
 
     @property
-    def payload_bytes(self) -> int:
-        return self.numel * torch.empty(0, dtype=self.compute_dtype).element_size()
+    def shard_bytes(self) -> int:
+        return self.shard_numel * torch.empty(0, dtype=self.compute_dtype).element_size()
 
     @property
     def region(self) -> Region:
@@ -88,20 +93,20 @@ class LayerOwner:
             deepspeed_compat.drop_zero3_partition(param)
         return flat
 
-    def offload(self, store: SsdStore, pool: BufferPool, flat: torch.Tensor) -> None:
-        """Write the initial weights to SSD and drop them from memory."""
+    def offload(self, store: SsdStore, pool: BufferPool, shard: torch.Tensor) -> None:
+        """Write this rank's shard of the initial weights to SSD and drop the weights from memory."""
         self._store, self._pool = store, pool
-        self.param_regions = [store.create_region(f"l{self.index}_s{slot}", self.payload_bytes, "param")
+        self.param_regions = [store.create_region(f"l{self.index}_s{slot}", self.shard_bytes, "param")
                               for slot in (0, 1)]
         self._drop_parameters()
         self.state = Residency.ON_SSD
-        self.overwrite_weights(flat)
+        self.overwrite_weights(shard)
 
-    def overwrite_weights(self, flat: torch.Tensor) -> None:
-        """Replace the committed weights (initialisation, loading a checkpoint); layer not in use."""
+    def overwrite_weights(self, shard: torch.Tensor) -> None:
+        """Replace this rank's committed weights (initialisation, loading a checkpoint); layer not in use."""
         assert self.state == Residency.ON_SSD and self.pending_update is None, (self.index, self.state)
         buffer = self._pool.acquire()
-        buffer[:self.payload_bytes].view(self.compute_dtype).copy_(flat)
+        buffer[:self.shard_bytes].view(self.compute_dtype).copy_(shard)
         self._store.write(self.region, buffer)
         self._pool.give_back(buffer)
 
@@ -130,10 +135,11 @@ class LayerOwner:
             self.wait_for_update()
             self._start_read()
         self._store.finish_read()
-        flat = self._host_buffer[:self.payload_bytes].view(self.compute_dtype)
-        if flat.device != self.device:
-            # A blocking copy: the host buffer goes back to the pool right after it.
-            flat = flat.to(self.device)
+        shard = self._host_buffer[:self.shard_bytes].view(self.compute_dtype)
+        if shard.device != self.device:
+            shard = shard.to(self.device)  # blocking: the host buffer can be reused after it
+        flat = self.parallel.gather(shard, self.layout)
+        if flat.data_ptr() != self._host_buffer.data_ptr():
             self._pool.give_back(self._host_buffer)
             self._host_buffer = None
         offset = 0
@@ -168,7 +174,8 @@ class LayerOwner:
     def accumulate_grads(self, accumulate_dtype: torch.dtype) -> None:
         """Add this micro-batch's parameter gradients into the layer's flat accumulator."""
         if self._grad_accumulator is None:
-            self._grad_accumulator = torch.zeros(self.numel, dtype=accumulate_dtype, device=self.device)
+            # Padded to divide over the ranks; the padding stays zero.
+            self._grad_accumulator = torch.zeros(self.layout.padded_numel, dtype=accumulate_dtype, device=self.device)
         offset = 0
         for param, shape in zip(self.params, self.param_shapes):
             if param.grad is not None:
@@ -177,10 +184,11 @@ class LayerOwner:
             offset += shape.numel()
 
     def take_grads(self) -> torch.Tensor:
-        """The gradient accumulated over every micro-batch of this step; the owner forgets it."""
+        """This rank's shard of the gradient accumulated over every micro-batch of this step, averaged
+        over the ranks (one reduce-scatter per step); the owner forgets it."""
         assert self._grad_accumulator is not None, f"layer {self.index} has no gradient this step"
         grads, self._grad_accumulator = self._grad_accumulator, None
-        return grads
+        return self.parallel.reduce_scatter_mean(grads, self.layout)
 
     def discard_grads(self) -> None:
         self._grad_accumulator = None

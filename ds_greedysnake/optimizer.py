@@ -18,6 +18,7 @@ import torch
 from .checkpoint import LayerState
 from .deepspeed_compat import AdamHyperparameters, CpuAdamKernel
 from .layer import LayerOwner
+from .parallel import DataParallel
 from .ssd import Region, SsdStore, aligned_buffer, padded_size
 from .updates import InlineUpdater, ReplayTask, UpdateHandle, Updater, UpdateTask, WorkerUpdater, plan_write
 
@@ -56,12 +57,13 @@ class LayerwiseAdam(torch.optim.Optimizer):
     live on SSD and are updated layer by layer, never through ``step()``."""
 
     def __init__(self, layers: List[LayerOwner], store: SsdStore, ds_config: Dict[str, Any],
-                 gradient_clipping: float, overlap: bool, worker_threads: int):
+                 gradient_clipping: float, overlap: bool, worker_threads: int, parallel: DataParallel):
         hyper, adamw_mode = adam_settings(ds_config["optimizer"])
         defaults = {"lr": hyper.lr, "betas": (hyper.beta1, hyper.beta2), "eps": hyper.eps,
                     "weight_decay": hyper.weight_decay, "bias_correction": hyper.bias_correction}
         super().__init__([torch.nn.Parameter(torch.zeros(0))], defaults)
         self.gradient_clipping = gradient_clipping
+        self.parallel = parallel
         self.step_count = 0
         self.skipped_steps = 0
         self._layers = layers
@@ -72,13 +74,13 @@ class LayerwiseAdam(torch.optim.Optimizer):
         self._grad_sq_norms: List[Optional[float]] = [None] * len(layers)
         self._speculative: Dict[int, Tuple[UpdateHandle, int, int]] = {}
         self._next_task_id = 0
-        largest = max(layer.numel for layer in layers)
+        largest = max(layer.shard_numel for layer in layers)
         self._state_buffer = aligned_buffer(padded_size(12 * largest))
         self._grad_buffer = aligned_buffer(padded_size(4 * largest))
         for layer in layers:
-            self._state_regions.append([store.create_region(f"opt_l{layer.index}_s{slot}", 12 * layer.numel,
+            self._state_regions.append([store.create_region(f"opt_l{layer.index}_s{slot}", 12 * layer.shard_numel,
                                                             "optimizer") for slot in (0, 1)])
-            self._grad_regions.append(store.create_region(f"grad_l{layer.index}", 4 * layer.numel, "grad"))
+            self._grad_regions.append(store.create_region(f"grad_l{layer.index}", 4 * layer.shard_numel, "grad"))
         if overlap:
             self.updater: Updater = WorkerUpdater(store.counters, store.folder, store.ds_config, hyper, adamw_mode,
                                                   largest, worker_threads)
@@ -92,14 +94,14 @@ class LayerwiseAdam(torch.optim.Optimizer):
 
     def initialise_layer(self, layer: LayerOwner, master: torch.Tensor) -> None:
         """Write the fp32 master weights and zero moments of a layer before its first step."""
-        states = self._state_buffer[:12 * layer.numel].view(torch.float32)
-        states[:layer.numel].copy_(master)
-        states[layer.numel:].zero_()
+        states = self._state_buffer[:12 * layer.shard_numel].view(torch.float32)
+        states[:layer.shard_numel].copy_(master)
+        states[layer.shard_numel:].zero_()
         self._store.write(self._state_regions[layer.index][0], self._state_buffer)
 
     def receive_gradient(self, layer: LayerOwner, grads: torch.Tensor) -> None:
-        """Take a layer's gradient for this step (once per step) and move it to SSD."""
-        host_grads = self._grad_buffer[:4 * layer.numel].view(torch.float32)
+        """Take this rank's shard of a layer's gradient for this step (once per step) and move it to SSD."""
+        host_grads = self._grad_buffer[:4 * layer.shard_numel].view(torch.float32)
         host_grads.copy_(grads)
         self._grad_sq_norms[layer.index] = float(host_grads.double().pow(2).sum())
         self._store.write(self._grad_regions[layer.index], self._grad_buffer)
@@ -113,7 +115,8 @@ class LayerwiseAdam(torch.optim.Optimizer):
         """The global part: needs every layer's gradient of this step; resolves speculative updates."""
         missing = [index for index, value in enumerate(self._grad_sq_norms) if value is None]
         assert not missing, f"layers {missing} handed no gradient this step"
-        norm = math.sqrt(sum(self._grad_sq_norms))
+        # Each rank holds a shard of every gradient: the squared norms add up over ranks.
+        norm = math.sqrt(self.parallel.sum(sum(self._grad_sq_norms)))
         self._grad_sq_norms = [None] * len(self._layers)
         skipped = not math.isfinite(norm)
         coefficient = 1.0
@@ -138,7 +141,7 @@ class LayerwiseAdam(torch.optim.Optimizer):
         state_slot = 1 - self._state_slot[layer.index]
         param_slot = 1 - layer.param_slot
         self._next_task_id += 1
-        task = UpdateTask(self._next_task_id, layer.index, layer.numel, layer.compute_dtype,
+        task = UpdateTask(self._next_task_id, layer.index, layer.shard_numel, layer.compute_dtype,
                           state_in=self._state_regions[layer.index][self._state_slot[layer.index]],
                           state_out=plan_write(self._state_regions[layer.index][state_slot]),
                           grad=self._grad_regions[layer.index],
@@ -167,8 +170,8 @@ class LayerwiseAdam(torch.optim.Optimizer):
         """Copies of a layer's committed fp32 master weights and Adam moments."""
         self.flush()
         self._store.read(self._state_regions[layer.index][self._state_slot[layer.index]], self._state_buffer)
-        states = self._state_buffer[:12 * layer.numel].view(torch.float32)
-        return LayerState(*(part.clone() for part in states.split(layer.numel)))
+        states = self._state_buffer[:12 * layer.shard_numel].view(torch.float32)
+        return LayerState(*(part.clone() for part in states.split(layer.shard_numel)))
 
     def restore_layer(self, layer: LayerOwner, state: LayerState, with_moments: bool) -> None:
         """Overwrite a layer's committed states (and its weights, their cast) from a checkpoint."""
@@ -177,8 +180,8 @@ class LayerwiseAdam(torch.optim.Optimizer):
             state = LayerState(state.master, current.exp_avg, current.exp_avg_sq)
         self.flush()
         layer.wait_for_update()
-        states = self._state_buffer[:12 * layer.numel].view(torch.float32)
-        for part, value in zip(states.split(layer.numel), (state.master, state.exp_avg, state.exp_avg_sq)):
+        states = self._state_buffer[:12 * layer.shard_numel].view(torch.float32)
+        for part, value in zip(states.split(layer.shard_numel), (state.master, state.exp_avg, state.exp_avg_sq)):
             part.copy_(value)
         self._store.write(self._state_regions[layer.index][self._state_slot[layer.index]], self._state_buffer)
         layer.overwrite_weights(state.master)

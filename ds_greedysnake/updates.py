@@ -188,7 +188,10 @@ def worker_main(task_fd: int, result_fd: int) -> None:
     buffers = UpdateBuffers(largest_numel)
     results.send("ready")
     while True:
-        task = tasks.recv()
+        try:
+            task = tasks.recv()
+        except EOFError:
+            return  # the training process is gone
         if task is None:
             return
         if isinstance(task, ReplayTask):

@@ -2,6 +2,7 @@
 
     python scripts/train.py                      # one process, defaults from configs/greedysnake_gpt_small.json
     deepspeed --num_gpus 1 scripts/train.py ...  # through DeepSpeed's launcher
+    DS_ACCELERATOR=cpu LOCAL_SIZE=2 deepspeed --num_gpus 2 scripts/train.py   # two ranks on the CPU
 
 Prints per step: loss, tokens/s and the bytes read from and written to SSD (counted at the aio layer
 for greedysnake; from the process's I/O counters for both engines).
@@ -87,12 +88,17 @@ def main():
     engine, _, _, _ = ds_greedysnake.initialize(model=model, model_parameters=model.parameters(), config=config,
                                                 loss_fn=lm_loss)
     engine_name = "ZeRO-Infinity" if args.baseline else "greedysnake"
-    print(f"{engine_name}: {parameters / 1e6:.1f}M parameters, {len(list(model.children()))} layers, "
-          f"M={config['gradient_accumulation_steps']} micro-batches of {config['train_micro_batch_size_per_gpu']}"
-          f" x {args.seq_len} tokens, SSD folder {config['zero_optimization']['offload_param']['nvme_path']}")
-    batches = micro_batches(synthetic_corpus(200_000, args.vocab, args.seed), config["train_micro_batch_size_per_gpu"],
-                            args.seq_len, args.seed)
-    tokens_per_step = config["gradient_accumulation_steps"] * config["train_micro_batch_size_per_gpu"] * args.seq_len
+    if int(os.environ["RANK"]) == 0:
+        print(f"{engine_name}: {parameters / 1e6:.1f}M parameters, {len(list(model.children()))} layers, "
+              f"M={config['gradient_accumulation_steps']} micro-batches of {config['train_micro_batch_size_per_gpu']}"
+              f" x {args.seq_len} tokens per rank, {os.environ['WORLD_SIZE']} rank(s), SSD folder "
+              f"{config['zero_optimization']['offload_param']['nvme_path']}")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    stream = micro_batches(synthetic_corpus(200_000, args.vocab, args.seed), config["train_micro_batch_size_per_gpu"],
+                           args.seq_len, args.seed)
+    batches = distributed_micro_batches(stream, rank, world_size)
+    tokens_per_step = (world_size * config["gradient_accumulation_steps"] * config["train_micro_batch_size_per_gpu"]
+                       * args.seq_len)
     for step in range(1, args.steps + 1):
         io_before = process_io_bytes()
         started = time.perf_counter()
@@ -107,7 +113,15 @@ def main():
             line += (f"  | aio read {sum(metrics.ssd_bytes_read.values()) / 2**20:7.1f} MiB "
                      f"(params {metrics.ssd_bytes_read.get('param', 0) / 2**20:.1f}) "
                      f"written {sum(metrics.ssd_bytes_written.values()) / 2**20:7.1f} MiB")
-        print(line, flush=True)
+        if rank == 0:
+            print(line, flush=True)
+
+
+def distributed_micro_batches(stream, rank: int, world_size: int):
+    """A distributed sampler over one shared stream: rank r takes micro-batches r, r+W, r+2W, ..."""
+    while True:
+        group = [next(stream) for _ in range(world_size)]
+        yield group[rank]
 
 
 if __name__ == "__main__":

@@ -1,6 +1,5 @@
 """Test session set-up: DeepSpeed's CPU accelerator, a one-process 'launch', and clean-up of the
 shared-memory buffer DeepSpeed's CPU comm op leaves in /dev/shm."""
-import glob
 import os
 import socket
 import sys
@@ -30,9 +29,5 @@ def pytest_configure(config):
 def pytest_sessionfinish(session, exitstatus):
     # DeepSpeed's shm comm op names its buffer deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>
     # and never removes it; remove ours (by our port) so repeated runs do not fill /dev/shm.
-    pattern = f"/dev/shm/deepspeed_allreduce_buffer_*_{os.environ['MASTER_PORT']}_*"
-    for path in glob.glob(pattern):
-        try:
-            os.remove(path)
-        except OSError:
-            pass
+    from helpers import remove_shm_buffers
+    remove_shm_buffers(os.environ["MASTER_PORT"])

@@ -1,5 +1,8 @@
 """Shared pieces of the end-to-end tests: a tiny GPT, its ds_config, and the plain PyTorch reference."""
 import copy
+import glob
+import os
+import socket
 from typing import Dict, List, Tuple
 
 import torch
@@ -82,3 +85,20 @@ def relative_l2(got: Dict[str, torch.Tensor], reference: torch.nn.Module) -> flo
 def fresh_model(config: GPTConfig, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     return build_gpt(config)
+
+
+def free_port() -> str:
+    """A free TCP port for a child DeepSpeed process (remove_shm_buffers cleans up after it)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return str(probe.getsockname()[1])
+
+
+def remove_shm_buffers(port: str) -> None:
+    """DeepSpeed's CPU comm op leaves /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>
+    (69 MB each); a child killed by a signal cannot remove its own."""
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+        try:
+            os.remove(path)
+        except OSError:
+            pass

@@ -1,0 +1,53 @@
+"""One rank of a data-parallel greedysnake run, for tests/e2e/test_data_parallel.py.
+
+Started once per rank with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (as the
+deepspeed launcher sets them). Rank r takes micro-batches r, r+W, r+2W, ... of the shared stream,
+so W ranks with M micro-batches each see exactly the micro-batches one rank with W*M sees.
+Rank 0 writes losses, full fp32 weights and collective bytes per step to --out.
+"""
+import argparse
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE), os.path.dirname(os.path.dirname(HERE))]
+
+import torch  # noqa: E402
+
+from greedysnake_run import make_engine  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--nvme", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--micro-batches", type=int, required=True, help="per rank")
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--last-rank-dies-after", type=int, default=None, help="steps; simulates a crash")
+    args = parser.parse_args()
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    engine, stream = make_engine(args.nvme, args.micro_batches, greedysnake={"collective_timeout_seconds": 60})
+    assert engine.parallel.world_size == world_size
+
+    def my_micro_batches():
+        while True:
+            group = [next(stream) for _ in range(world_size)]
+            yield group[rank]
+
+    batches = my_micro_batches()
+    losses, collective_bytes = [], []
+    for step in range(args.steps):
+        if args.last_rank_dies_after == step and rank == world_size - 1:
+            os._exit(3)
+        before = dict(engine.parallel.bytes_by_collective)
+        losses.append(float(engine.train_batch(batches)))
+        collective_bytes.append({kind: total - before.get(kind, 0)
+                                 for kind, total in engine.parallel.bytes_by_collective.items()})
+    masters = engine.master_parameters()  # a collective: every rank takes part
+    if rank == 0:
+        torch.save({"losses": losses, "masters": masters, "collective_bytes": collective_bytes}, args.out)
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()
