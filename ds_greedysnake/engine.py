@@ -138,6 +138,15 @@ class GreedySnakeEngine(EngineBase):
             self._log(self.last_step_metrics)
         return torch.tensor(mean_loss)
 
+    def eval_batch(self, data_iter: Iterator) -> torch.Tensor:
+        """Mean loss over gradient_accumulation_steps micro-batches, forward only (weights fully updated)."""
+        device = accelerator_device()
+        micro_batches = [tuple(tensor.to(device) for tensor in next(data_iter))
+                         for _ in range(self.gradient_accumulation_steps())]
+        losses = self.executor.evaluate(micro_batches)
+        mean_loss = self.parallel.sum(sum(losses) / len(losses)) / self.parallel.world_size
+        return torch.tensor(mean_loss)
+
     def flush(self) -> None:
         """Finish every pending optimizer update (the overlap defers some into the next forward)."""
         self.optimizer.flush()
@@ -214,7 +223,8 @@ class GreedySnakeEngine(EngineBase):
         return reader.folder, state["client_state"]
 
     def forward(self, *args, **kwargs):
-        raise RuntimeError("the greedysnake engine runs whole steps: call engine.train_batch(data_iter)")
+        raise RuntimeError("the greedysnake engine runs whole steps: call engine.train_batch(data_iter), "
+                           "or engine.eval_batch(data_iter) for a forward-only loss")
 
     def backward(self, *args, **kwargs):
         raise RuntimeError("the greedysnake engine runs whole steps: call engine.train_batch(data_iter)")

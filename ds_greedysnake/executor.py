@@ -78,6 +78,21 @@ class Executor:
             seconds[op.kind.value] += time.perf_counter() - started
         return decision
 
+    @torch.no_grad()
+    def evaluate(self, micro_batches: Sequence[MicroBatch]) -> List[float]:
+        """Losses of a forward through every layer, vertically, with no gradient and no update.
+        Each layer's fetch waits for its pending update, so the weights are the fully updated ones."""
+        hidden = [inputs for inputs, _ in micro_batches]
+        try:
+            for layer in self.layers:
+                layer.fetch()
+                hidden = [layer.module(value) for value in hidden]
+                layer.release()
+        except BaseException:
+            self._abandon_step()
+            raise
+        return [float(self.loss_fn(output, labels)) for output, (_, labels) in zip(hidden, micro_batches)]
+
     def _abandon_step(self) -> None:
         """After a failure mid-step: no SSD read left in flight (an aio handle destroyed with pending
         reads aborts the process), no half-step state kept."""

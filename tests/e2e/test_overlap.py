@@ -97,3 +97,21 @@ def test_dead_worker_is_reported(tmp_path):
 def test_deferred_layers_beyond_the_model_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"deferred_layers \(9\) exceeds the model's 5 layers"):
         make_engine(str(tmp_path), 2, greedysnake={"deferred_layers": 9})
+
+
+def test_eval_right_after_train_batch_sees_updated_weights(tmp_path):
+    from helpers import fresh_model, reference_training
+    from ds_greedysnake.models.gpt import lm_loss
+
+    engine, batches = make_engine(str(tmp_path), 4, greedysnake={"deferred_layers": 3})
+    for _ in range(2):
+        engine.train_batch(batches)
+    evaluation = [next(batches) for _ in range(4)]
+    loss = float(engine.eval_batch(iter(evaluation)))  # the front layers' updates are still pending here
+    config = tiny_gpt_config()
+    reference, _ = reference_training(fresh_model(config), config, 4, 2)
+    with torch.no_grad():
+        expected = sum(float(lm_loss(reference(inputs), labels)) for inputs, labels in evaluation) / 4
+    assert loss == pytest.approx(expected, rel=1e-5)
+    # A second evaluation is the same: evaluating changes nothing.
+    assert float(engine.eval_batch(iter(evaluation))) == loss
