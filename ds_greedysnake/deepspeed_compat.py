@@ -16,6 +16,7 @@ import deepspeed
 from deepspeed.accelerator import get_accelerator
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 from deepspeed.ops.op_builder import AsyncIOBuilder
+from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.swap_tensor import partitioned_param_swapper
 from deepspeed.runtime.swap_tensor.aio_config import get_aio_config
@@ -54,6 +55,11 @@ def check_deepspeed_internals() -> None:
 
 
 # ----------------------------------------------------------------------------- engine construction
+
+
+def parsed_ds_config(ds_config: Dict[str, Any], mpu=None) -> DeepSpeedConfig:
+    """DeepSpeed's parsed config object, which its engine constructor takes beside the dict."""
+    return DeepSpeedConfig(ds_config, mpu)
 
 
 class EngineBase(DeepSpeedEngine):

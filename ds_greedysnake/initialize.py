@@ -8,10 +8,9 @@ import torch
 import deepspeed
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.config import DeepSpeedConfig
 
 from .config import check_ds_config, parse_greedysnake_config
-from .deepspeed_compat import remove_shm_buffer_at_exit
+from .deepspeed_compat import parsed_ds_config, remove_shm_buffer_at_exit
 from .engine import GreedySnakeEngine
 from .model_split import split_model
 
@@ -54,7 +53,7 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
                           dist_init_required=dist_init_required,
                           timeout=timedelta(seconds=greedysnake_config.collective_timeout_seconds))
     engine = GreedySnakeEngine(greedysnake_config, loss_fn, nvme_path, dist_init_required=dist_init_required,
-                               config=ds_config, config_class=DeepSpeedConfig(ds_config, mpu), **common)
+                               config=ds_config, config_class=parsed_ds_config(ds_config, mpu), **common)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
