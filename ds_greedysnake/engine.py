@@ -111,12 +111,7 @@ class GreedySnakeEngine(EngineBase):
 
     def train_batch(self, data_iter: Iterator) -> torch.Tensor:
         """One optimizer step over gradient_accumulation_steps micro-batches from ``data_iter``."""
-        device = accelerator_device()
-        num_micro_batches = self.gradient_accumulation_steps()
-        micro_batches = []
-        for _ in range(num_micro_batches):
-            inputs, labels = next(data_iter)
-            micro_batches.append((inputs.to(device), labels.to(device)))
+        micro_batches = self._next_micro_batches(data_iter)
         before = self.io_counters.snapshot()
         updater = self.optimizer.updater
         update_seconds_before, wait_seconds_before = updater.update_seconds, updater.wait_seconds
@@ -131,8 +126,7 @@ class GreedySnakeEngine(EngineBase):
             self.lr_scheduler.step()
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
-        # The mean over every rank's micro-batches: what one rank with the whole batch would report.
-        mean_loss = self.parallel.sum(sum(result.losses) / num_micro_batches) / self.parallel.world_size
+        mean_loss = self._mean_over_ranks(result.losses)
         self.last_step_metrics = self._metrics(result, mean_loss, micro_batches, seconds, before)
         if self.global_rank == 0 and self.global_steps % self.steps_per_print() == 0:
             self._log(self.last_step_metrics)
@@ -140,12 +134,21 @@ class GreedySnakeEngine(EngineBase):
 
     def eval_batch(self, data_iter: Iterator) -> torch.Tensor:
         """Mean loss over gradient_accumulation_steps micro-batches, forward only (weights fully updated)."""
+        losses = self.executor.evaluate(self._next_micro_batches(data_iter))
+        return torch.tensor(self._mean_over_ranks(losses))
+
+    def _next_micro_batches(self, data_iter: Iterator):
+        """gradient_accumulation_steps (inputs, labels) pairs from ``data_iter``, on the device."""
         device = accelerator_device()
-        micro_batches = [tuple(tensor.to(device) for tensor in next(data_iter))
-                         for _ in range(self.gradient_accumulation_steps())]
-        losses = self.executor.evaluate(micro_batches)
-        mean_loss = self.parallel.sum(sum(losses) / len(losses)) / self.parallel.world_size
-        return torch.tensor(mean_loss)
+        micro_batches = []
+        for _ in range(self.gradient_accumulation_steps()):
+            inputs, labels = next(data_iter)
+            micro_batches.append((inputs.to(device), labels.to(device)))
+        return micro_batches
+
+    def _mean_over_ranks(self, losses) -> float:
+        """The mean over every rank's micro-batches: what one rank with the whole batch would report."""
+        return self.parallel.sum(sum(losses) / len(losses)) / self.parallel.world_size
 
     def flush(self) -> None:
         """Finish every pending optimizer update (the overlap defers some into the next forward)."""
