@@ -31,6 +31,12 @@ class GreedySnakeConfig(DeepSpeedConfigModel):
     """Host memory (MiB) for layer-input checkpoints of all micro-batches; past it, checkpoints
     spill to SSD under ``<nvme_path>/greedysnake``. 0 spills every checkpoint."""
 
+    gradient_host_memory_mb: float = Field(1024.0, ge=0)
+    """Host memory (MiB) that hands each layer's accumulated fp32 gradient (this rank's shard) to its
+    Adam update without going through SSD, saving 8 bytes of SSD traffic per parameter per step and
+    a synchronous write. Layers are given a slot from the last one down while they fit; the others
+    write their gradient to SSD. 0 sends every gradient through SSD."""
+
     fp32_grad_accumulation: bool = True
     """Accumulate each layer's gradient over the micro-batches in fp32, whatever the compute
     dtype. Only matters under bf16; fp32 training always accumulates in fp32."""

@@ -96,7 +96,8 @@ class GreedySnakeEngine(EngineBase):
         overlap = setup.config.optimizer_overlap
         optimizer = LayerwiseAdam(self.layers, optimizer_store, self.ds_config_dict,
                                   float(self.gradient_clipping() or 0.0), overlap,
-                                  setup.config.optimizer_worker_threads, self.parallel)
+                                  setup.config.optimizer_worker_threads, self.parallel,
+                                  int(setup.config.gradient_host_memory_mb * 2**20))
         # Two buffers: the layer computing and the one being prefetched.
         pool = BufferPool(max(padded_size(layer.shard_bytes) for layer in self.layers), count=2)
         for layer in self.layers:

@@ -1,7 +1,9 @@
 """Adam over SSD-resident optimizer states, one layer at a time, split into global and per-layer parts.
 
-Per layer, two SSD slots each hold [fp32 master | exp_avg | exp_avg_sq], and one region holds the
-fp32 gradient accumulated over the step. An update reads the committed slot and writes the other
+Per layer, two SSD slots each hold [fp32 master | exp_avg | exp_avg_sq]; the fp32 gradient
+accumulated over the step goes to the update through host memory shared with the worker
+(``host_grads.py``) for the layers that fit ``gradient_host_memory_mb``, and through one SSD region
+for the others. An update reads the committed slot and writes the other
 one (and the layer's other parameter slot), so an update made before the step's global decision
 (speculative, during backward) is committed by flipping the slot, or discarded by not flipping it:
 a skipped step leaves every layer exactly as it was.
@@ -17,6 +19,7 @@ import torch
 
 from .checkpoint import LayerState
 from .deepspeed_compat import AdamHyperparameters, CpuAdamKernel
+from .host_grads import GradientArena
 from .layer import LayerOwner
 from .parallel import DataParallel
 from .ssd import Region, SsdStore, aligned_buffer, padded_size
@@ -57,7 +60,8 @@ class LayerwiseAdam(torch.optim.Optimizer):
     live on SSD and are updated layer by layer, never through ``step()``."""
 
     def __init__(self, layers: List[LayerOwner], store: SsdStore, ds_config: Dict[str, Any],
-                 gradient_clipping: float, overlap: bool, worker_threads: int, parallel: DataParallel):
+                 gradient_clipping: float, overlap: bool, worker_threads: int, parallel: DataParallel,
+                 gradient_host_bytes: int):
         hyper, adamw_mode = adam_settings(ds_config["optimizer"])
         defaults = {"lr": hyper.lr, "betas": (hyper.beta1, hyper.beta2), "eps": hyper.eps,
                     "weight_decay": hyper.weight_decay, "bias_correction": hyper.bias_correction}
@@ -70,22 +74,25 @@ class LayerwiseAdam(torch.optim.Optimizer):
         self._store = store
         self._state_regions: List[List[Region]] = []
         self._state_slot: List[int] = [0] * len(layers)
-        self._grad_regions: List[Region] = []
+        self._grad_regions: Dict[int, Region] = {}  # layers whose gradient goes through SSD
         self._grad_sq_norms: List[Optional[float]] = [None] * len(layers)
         self._speculative: Dict[int, Tuple[UpdateHandle, int, int]] = {}
         self._next_task_id = 0
         largest = max(layer.shard_numel for layer in layers)
         self._state_buffer = aligned_buffer(padded_size(12 * largest))
         self._grad_buffer = aligned_buffer(padded_size(4 * largest))
+        self.arena = GradientArena.create([layer.shard_numel for layer in layers], gradient_host_bytes)
         for layer in layers:
             self._state_regions.append([store.create_region(f"opt_l{layer.index}_s{slot}", 12 * layer.shard_numel,
                                                             "optimizer") for slot in (0, 1)])
-            self._grad_regions.append(store.create_region(f"grad_l{layer.index}", 4 * layer.shard_numel, "grad"))
+            if not self.arena.holds(layer.index):
+                self._grad_regions[layer.index] = store.create_region(f"grad_l{layer.index}", 4 * layer.shard_numel,
+                                                                      "grad")
         if overlap:
             self.updater: Updater = WorkerUpdater(store.counters, store.folder, store.ds_config, hyper, adamw_mode,
-                                                  largest, worker_threads)
+                                                  largest, worker_threads, self.arena)
         else:
-            self.updater = InlineUpdater(store, CpuAdamKernel(hyper, adamw_mode), largest)
+            self.updater = InlineUpdater(store, CpuAdamKernel(hyper, adamw_mode), largest, self.arena)
 
     @property
     def needs_every_gradient_first(self) -> bool:
@@ -100,11 +107,17 @@ class LayerwiseAdam(torch.optim.Optimizer):
         self._store.write(self._state_regions[layer.index][0], self._state_buffer)
 
     def receive_gradient(self, layer: LayerOwner, grads: torch.Tensor) -> None:
-        """Take this rank's shard of a layer's gradient for this step (once per step) and move it to SSD."""
-        host_grads = self._grad_buffer[:4 * layer.shard_numel].view(torch.float32)
+        """Take this rank's shard of a layer's gradient for this step (once per step): into the layer's
+        shared host slot, or to SSD."""
+        on_host = self.arena.holds(layer.index)
+        if on_host:
+            host_grads = self.arena.slot(layer.index, layer.shard_numel)
+        else:
+            host_grads = self._grad_buffer[:4 * layer.shard_numel].view(torch.float32)
         host_grads.copy_(grads)
         self._grad_sq_norms[layer.index] = float(host_grads.double().pow(2).sum())
-        self._store.write(self._grad_regions[layer.index], self._grad_buffer)
+        if not on_host:
+            self._store.write(self._grad_regions[layer.index], self._grad_buffer)
 
     def provisional_decision(self) -> StepDecision:
         """What the decision will be if every gradient turns out finite (valid without clipping)."""
@@ -144,7 +157,7 @@ class LayerwiseAdam(torch.optim.Optimizer):
         task = UpdateTask(self._next_task_id, layer.index, layer.shard_numel, layer.compute_dtype,
                           state_in=self._state_regions[layer.index][self._state_slot[layer.index]],
                           state_out=plan_write(self._state_regions[layer.index][state_slot]),
-                          grad=self._grad_regions[layer.index],
+                          grad=self._grad_regions.get(layer.index),
                           param_out=plan_write(layer.param_regions[param_slot]),
                           step=decision.step, hyper=decision.hyper, clip_coefficient=decision.clip_coefficient)
         handle = self.updater.submit(task)
@@ -199,6 +212,7 @@ class LayerwiseAdam(torch.optim.Optimizer):
 
     def close(self) -> None:
         self.updater.close()
+        self.arena.close()
 
     def _commit(self, layer: LayerOwner, handle: UpdateHandle, state_slot: int, param_slot: int) -> None:
         # Readers wait on the handle before they read the slots committed here.

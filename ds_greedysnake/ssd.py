@@ -13,13 +13,16 @@ import glob
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Dict
+from typing import Dict, List
 
 import torch
 
 from . import deepspeed_compat
 
 ALIGNMENT = 4096
+# Transfers are split into chunks issued together (see SsdStore).
+CHUNK_BYTES = 4 << 20
+MAX_CHUNKS = 16
 _TAG_BYTES = 8
 
 
@@ -117,7 +120,13 @@ def _tag_view(buffer: torch.Tensor) -> torch.Tensor:
 
 
 class SsdStore:
-    """Regions in one folder, with one aio handle; not thread-safe (one owner per store)."""
+    """Regions in one folder, with one aio handle; not thread-safe (one owner per store).
+
+    Reads and writes are asynchronous and may be in flight together: ``wait`` completes all of them
+    (the aio handle can only wait for everything it has in flight). Each transfer is split into
+    chunks issued at once, since one aio op keeps too few requests in flight to reach the SSD's rate
+    (measured here: a 128 MiB read at 819 MiB/s as one op, 1345 MiB/s as 16; writes 1111 vs 2121).
+    """
 
     def __init__(self, folder: str, ds_config: dict, counters: IoCounters, name: str):
         self.folder = folder
@@ -125,7 +134,7 @@ class SsdStore:
         self.counters = counters
         self.name = name
         self._handle = deepspeed_compat.new_aio_handle(ds_config)
-        self._pending = None  # (region, buffer) of the one asynchronous read in flight
+        self._in_flight: List[_Transfer] = []
         self._next_id = 0
         os.makedirs(folder, exist_ok=True)
 
@@ -147,50 +156,95 @@ class SsdStore:
     def new_buffer(self, region: Region) -> torch.Tensor:
         return aligned_buffer(region.padded_bytes)
 
-    def write(self, region: Region, buffer: torch.Tensor) -> None:
+    def start_write(self, region: Region, buffer: torch.Tensor) -> None:
+        """Begin writing ``buffer`` (stamped with the region's next tag) to ``region``; ``wait`` completes it.
+        The buffer must not change until then."""
         self._check_buffer(region, buffer)
         region.generation += 1
         _tag_view(buffer[:region.padded_bytes]).fill_(region.expected_tag())
-        result = self._handle.pwrite(buffer[:region.padded_bytes], region.path, False, False, 0)
-        if result < 0:
-            region.generation -= 1
-            raise SsdIoError(errno.EIO, f"aio write of {region.padded_bytes} bytes to {region.path} failed "
-                             f"(return code {result})")
-        self.counters.bytes_written[region.category] += region.padded_bytes
-        self.counters.writes[region.category] += 1
+        self._submit(_Transfer("write", region, buffer))
 
     def start_read(self, region: Region, buffer: torch.Tensor) -> None:
-        """Begin reading ``region`` into ``buffer``; ``finish_read`` waits and checks it."""
-        if self._pending is not None:
-            raise RuntimeError(f"store {self.name}: a read of {self._pending[0].path} is still in flight")
+        """Begin reading ``region`` into ``buffer``; ``wait`` completes and checks it."""
         self._check_buffer(region, buffer)
         _tag_view(buffer[:region.padded_bytes]).zero_()
-        result = self._handle.pread(buffer[:region.padded_bytes], region.path, False, True, 0)
-        if result < 0:
-            raise SsdIoError(errno.EIO, f"aio read of {region.padded_bytes} bytes from {region.path} could not "
-                             f"start (return code {result})")
-        self._pending = (region, buffer)
+        self._submit(_Transfer("read", region, buffer))
+
+    def wait(self) -> None:
+        """Complete every transfer in flight: check the op count and each read's tag, count the bytes."""
+        if not self._in_flight:
+            return
+        transfers, self._in_flight = self._in_flight, []
+        completed = self._handle.wait()
+        expected_ops = sum(transfer.num_ops for transfer in transfers)
+        if completed != expected_ops:
+            for transfer in transfers:
+                if transfer.kind == "write":
+                    transfer.region.generation -= 1  # what is on SSD is unknown; its reads fail the tag check
+            paths = ", ".join(f"{t.kind} {t.region.path}" for t in transfers)
+            raise SsdIoError(errno.EIO, f"aio completed {completed} of {expected_ops} ops ({paths}): "
+                             "check the SSD path (free space, permissions, device errors in dmesg)")
+        for transfer in transfers:
+            region = transfer.region
+            if transfer.kind == "read":
+                found = int(_tag_view(transfer.buffer[:region.padded_bytes]).item())
+                if found != region.expected_tag():
+                    raise SsdIoError(errno.EIO, f"aio read of {region.padded_bytes} bytes from {region.path} found "
+                                     f"tag {found:#x}, expected {region.expected_tag():#x}: the data on SSD is not "
+                                     "what was last written (failed write or read)")
+                self.counters.bytes_read[region.category] += region.padded_bytes
+                self.counters.reads[region.category] += 1
+            else:
+                self.counters.bytes_written[region.category] += region.padded_bytes
+                self.counters.writes[region.category] += 1
 
     def finish_read(self) -> None:
-        region, buffer = self._pending
-        self._pending = None
-        completed = self._handle.wait()
-        found = int(_tag_view(buffer[:region.padded_bytes]).item())
-        if completed < 1 or found != region.expected_tag():
-            raise SsdIoError(errno.EIO, f"aio read of {region.padded_bytes} bytes from {region.path} returned "
-                             f"{completed} completed ops and tag {found:#x}, expected {region.expected_tag():#x}: "
-                             "the data on SSD is not what was last written (failed write or read)")
-        self.counters.bytes_read[region.category] += region.padded_bytes
-        self.counters.reads[region.category] += 1
+        self.wait()
+
+    def write(self, region: Region, buffer: torch.Tensor) -> None:
+        self.start_write(region, buffer)
+        self.wait()
 
     def read(self, region: Region, buffer: torch.Tensor) -> None:
         self.start_read(region, buffer)
-        self.finish_read()
+        self.wait()
 
     @property
     def read_in_flight(self) -> bool:
-        return self._pending is not None
+        return any(transfer.kind == "read" for transfer in self._in_flight)
+
+    def _submit(self, transfer: "_Transfer") -> None:
+        region, issue = transfer.region, (self._handle.pread if transfer.kind == "read" else self._handle.pwrite)
+        for offset, length in chunks(region.padded_bytes):
+            result = issue(transfer.buffer[offset:offset + length], region.path, False, True, offset)
+            if result < 0:
+                # Complete whatever is in flight (a handle destroyed with pending ops aborts the
+                # process); none of it is trusted after a failed submission.
+                self._handle.wait()
+                for abandoned in self._in_flight + [transfer]:
+                    if abandoned.kind == "write":
+                        abandoned.region.generation -= 1
+                self._in_flight.clear()
+                raise SsdIoError(errno.EIO, f"aio {transfer.kind} of {length} bytes at offset {offset} of "
+                                 f"{region.path} could not start (return code {result})")
+            transfer.num_ops += 1
+        self._in_flight.append(transfer)
 
     def _check_buffer(self, region: Region, buffer: torch.Tensor) -> None:
         assert buffer.dtype == torch.uint8 and buffer.data_ptr() % ALIGNMENT == 0
         assert buffer.numel() >= region.padded_bytes, (buffer.numel(), region.padded_bytes)
+
+
+@dataclass
+class _Transfer:
+    kind: str  # "read" or "write"
+    region: Region
+    buffer: torch.Tensor
+    num_ops: int = 0
+
+
+def chunks(num_bytes: int):
+    """(offset, length) pieces of a transfer: about CHUNK_BYTES each, at most MAX_CHUNKS, 4096-aligned."""
+    count = max(1, min(MAX_CHUNKS, num_bytes // CHUNK_BYTES))
+    length = round_up(-(-num_bytes // count))
+    return [(offset, min(length, num_bytes - offset)) for offset in range(0, num_bytes, length)]

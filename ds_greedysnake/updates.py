@@ -19,6 +19,7 @@ from typing import Dict, Optional
 import torch
 
 from .deepspeed_compat import AdamHyperparameters, CpuAdamKernel
+from .host_grads import GradientArena
 from .ssd import IoCounters, Region, SsdStore, aligned_buffer, padded_size
 
 _WORKER_POLL_SECONDS = 1.0
@@ -32,7 +33,7 @@ class UpdateTask:
     compute_dtype: torch.dtype
     state_in: Region       # [fp32 master | exp_avg | exp_avg_sq] as committed
     state_out: Region      # the other slot, written with the updated states
-    grad: Region           # fp32 gradient accumulated over the step
+    grad: Optional[Region]  # fp32 gradient accumulated over the step; None: in the layer's arena slot
     param_out: Region      # the layer's other parameter slot, written in the compute dtype
     step: int
     hyper: AdamHyperparameters
@@ -75,22 +76,30 @@ class UpdateBuffers:
         self.params = aligned_buffer(padded_size(4 * largest_numel))
 
 
-def execute_update(task: UpdateTask, store: SsdStore, kernel: CpuAdamKernel, buffers: UpdateBuffers) -> UpdateResult:
+def execute_update(task: UpdateTask, store: SsdStore, kernel: CpuAdamKernel, buffers: UpdateBuffers,
+                   arena: GradientArena) -> UpdateResult:
     started = time.perf_counter()
     read_before = sum(store.counters.bytes_read.values())
     written_before = sum(store.counters.bytes_written.values())
-    store.read(task.state_in, buffers.state)
-    store.read(task.grad, buffers.grad)
+    # Both reads in flight together, then both writes: the SSD sees deep queues.
+    store.start_read(task.state_in, buffers.state)
+    if task.grad is not None:
+        store.start_read(task.grad, buffers.grad)
+    store.wait()
     states = buffers.state[:12 * task.numel].view(torch.float32)
     master, exp_avg, exp_avg_sq = states[:task.numel], states[task.numel:2 * task.numel], states[2 * task.numel:]
-    grads = buffers.grad[:4 * task.numel].view(torch.float32)
+    if task.grad is not None:
+        grads = buffers.grad[:4 * task.numel].view(torch.float32)
+    else:
+        grads = arena.slot(task.layer, task.numel)
     if task.clip_coefficient != 1.0:
         grads.mul_(task.clip_coefficient)
     kernel.update(task.step, task.hyper, master, grads, exp_avg, exp_avg_sq)
-    store.write(task.state_out, buffers.state)
+    store.start_write(task.state_out, buffers.state)
     element_bytes = torch.empty(0, dtype=task.compute_dtype).element_size()
     buffers.params[:element_bytes * task.numel].view(task.compute_dtype).copy_(master)
-    store.write(task.param_out, buffers.params)
+    store.start_write(task.param_out, buffers.params)
+    store.wait()
     return UpdateResult(task.task_id, time.perf_counter() - started,
                         sum(store.counters.bytes_read.values()) - read_before,
                         sum(store.counters.bytes_written.values()) - written_before)
@@ -157,15 +166,15 @@ class Updater:
 class InlineUpdater(Updater):
     """Runs each update at submission, in this process: the non-overlapped step."""
 
-    def __init__(self, store: SsdStore, kernel: CpuAdamKernel, largest_numel: int):
+    def __init__(self, store: SsdStore, kernel: CpuAdamKernel, largest_numel: int, arena: GradientArena):
         super().__init__(store.counters)
-        self._store, self._kernel = store, kernel
+        self._store, self._kernel, self._arena = store, kernel, arena
         self._buffers = UpdateBuffers(largest_numel)
 
     def submit(self, task: UpdateTask) -> UpdateHandle:
         handle = UpdateHandle(self, task)
         started = time.perf_counter()
-        result = execute_update(task, self._store, self._kernel, self._buffers)
+        result = execute_update(task, self._store, self._kernel, self._buffers, self._arena)
         self.wait_seconds += time.perf_counter() - started
         handle.result = result
         self.update_seconds += result.seconds
@@ -181,9 +190,10 @@ class InlineUpdater(Updater):
 def worker_main(task_fd: int, result_fd: int) -> None:
     """The worker process: set up from the first message, then run tasks in order until ``None``."""
     tasks, results = Connection(task_fd, writable=False), Connection(result_fd, readable=False)
-    folder, ds_config, hyper, adamw_mode, largest_numel, num_threads = tasks.recv()
+    folder, ds_config, hyper, adamw_mode, largest_numel, num_threads, arena_layout = tasks.recv()
     torch.set_num_threads(num_threads)
     store = SsdStore(folder, ds_config, IoCounters(), "worker")
+    arena = GradientArena.attach(*arena_layout)
     kernel = CpuAdamKernel(hyper, adamw_mode)
     buffers = UpdateBuffers(largest_numel)
     results.send("ready")
@@ -198,7 +208,7 @@ def worker_main(task_fd: int, result_fd: int) -> None:
             kernel.replay_steps(task.last_step, task.hyper)
             continue
         try:
-            result = execute_update(task, store, kernel, buffers)
+            result = execute_update(task, store, kernel, buffers, arena)
         except Exception:  # reported to the training process, which raises it with the layer named
             result = UpdateResult(task.task_id, 0.0, 0, 0, traceback.format_exc())
         results.send(result)
@@ -213,17 +223,20 @@ class WorkerUpdater(Updater):
     """
 
     def __init__(self, counters: IoCounters, folder: str, ds_config: dict, hyper: AdamHyperparameters,
-                 adamw_mode: bool, largest_numel: int, num_threads: int, start_timeout: float = 300.0):
+                 adamw_mode: bool, largest_numel: int, num_threads: int, arena: GradientArena,
+                 start_timeout: float = 300.0):
         super().__init__(counters)
         task_read, task_write = os.pipe()
         result_read, result_write = os.pipe()
+        shared_fds = (task_read, result_write) + ((arena.fd,) if arena.fd is not None else ())
         self._process = subprocess.Popen([sys.executable, "-m", "ds_greedysnake.update_worker", str(task_read),
-                                          str(result_write)], pass_fds=(task_read, result_write))
+                                          str(result_write)], pass_fds=shared_fds)
         os.close(task_read)
         os.close(result_write)
         self._tasks = Connection(task_write, readable=False)
         self._results = Connection(result_read, writable=False)
-        self._tasks.send((folder, ds_config, hyper, adamw_mode, largest_numel, num_threads))
+        self._tasks.send((folder, ds_config, hyper, adamw_mode, largest_numel, num_threads,
+                          (arena.slot_offsets, arena.total_bytes, arena.fd)))
         self._receive(timeout=start_timeout, expecting="the worker to start")
 
     def submit(self, task: UpdateTask) -> UpdateHandle:

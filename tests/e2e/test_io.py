@@ -14,6 +14,16 @@ def test_greedysnake_parameter_reads_are_flat_in_micro_batches(tmp_path):
         reads[num_micro_batches] = run.metrics[-1].ssd_bytes_read["param"]
         num_layers = len(run.engine.layers)
         assert run.metrics[-1].ssd_reads["param"] == 2 * num_layers - 1
+        # Gradients reach the optimizer through host memory by default: none goes to SSD.
+        assert run.engine.io_counters.writes["grad"] == 0
+    assert abs(reads[8] - reads[2]) <= 0.05 * reads[2]
+
+
+def test_gradients_go_through_ssd_once_per_step_without_host_memory(tmp_path):
+    for num_micro_batches in (2, 8):
+        run = run_greedysnake(str(tmp_path / f"m{num_micro_batches}"), num_micro_batches, steps=2,
+                              greedysnake={"gradient_host_memory_mb": 0})
+        num_layers = len(run.engine.layers)
         # Each layer's gradient leaves once per step, whatever M.
         assert run.engine.io_counters.writes["grad"] == 2 * num_layers
-    assert abs(reads[8] - reads[2]) <= 0.05 * reads[2]
+        assert run.metrics[-1].ssd_bytes_read["optimizer_worker"] > run.metrics[-1].ssd_bytes_written["grad"]

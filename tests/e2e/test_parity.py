@@ -52,6 +52,22 @@ def test_spilling_and_prefetch_change_nothing(tmp_path):
     assert baseline.losses == spilled.losses
 
 
+def test_gradient_paths_change_nothing(tmp_path):
+    """Gradients through shared host memory (default), through SSD, or some of each: the same bits."""
+    host = run_greedysnake(str(tmp_path / "host"), NUM_MICRO_BATCHES, 2)
+    head_mib = 4 * host.engine.layers[-1].shard_numel / 2**20
+    assert host.engine.optimizer.arena.holds(0)
+    for name, budget in (("ssd", 0), ("mixed", 1.01 * head_mib + 0.01)):
+        other = run_greedysnake(str(tmp_path / name), NUM_MICRO_BATCHES, 2,
+                                greedysnake={"gradient_host_memory_mb": budget})
+        arena = other.engine.optimizer.arena
+        assert [arena.holds(layer.index) for layer in other.engine.layers][-1] == (name == "mixed")
+        assert not arena.holds(0)
+        assert other.losses == host.losses
+        for key, value in host.masters.items():
+            assert torch.equal(value, other.masters[key]), (name, key)
+
+
 def test_blocks_are_really_on_ssd(tmp_path):
     run = run_greedysnake(str(tmp_path), NUM_MICRO_BATCHES, 1)
     engine = run.engine

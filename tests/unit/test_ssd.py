@@ -4,6 +4,7 @@ import os
 import pytest
 import torch
 
+from ds_greedysnake import ssd
 from ds_greedysnake.ssd import ALIGNMENT, IoCounters, SsdIoError, SsdStore, aligned_buffer
 
 
@@ -30,18 +31,38 @@ def test_round_trip_counts_bytes(store):
     assert store.counters.reads["param"] == 1
 
 
-def test_asynchronous_read(store):
-    region = store.create_region("a", 8_192, "param")
-    source = store.new_buffer(region)
+def test_transfers_in_flight_together(store):
+    """Reads and writes of several regions in flight at once; one wait completes and checks them all."""
+    first, second = store.create_region("a", 8_192, "param"), store.create_region("b", 8_192, "grad")
+    source = store.new_buffer(first)
     source.fill_(3)
+    store.write(first, source)
+    other = store.new_buffer(second)
+    other.fill_(5)
+    target = store.new_buffer(first)
+    store.start_read(first, target)
+    store.start_write(second, other)
+    assert store.read_in_flight
+    store.wait()
+    assert not store.read_in_flight
+    assert int(target[:8_192 - 8].sum()) == 3 * (8_192 - 8)
+    assert store.counters.reads["param"] == 1 and store.counters.writes["grad"] == 1
+    store.wait()  # nothing in flight: a no-op
+
+
+def test_large_region_goes_in_chunks_and_round_trips(store):
+    num_bytes = 3 * ssd.CHUNK_BYTES + 12_345
+    pieces = ssd.chunks(ssd.padded_size(num_bytes))
+    assert len(pieces) == 3 and all(offset % ssd.ALIGNMENT == 0 for offset, _ in pieces)
+    assert sum(length for _, length in pieces) == ssd.padded_size(num_bytes)
+    assert len(ssd.chunks(ssd.MAX_CHUNKS * 10 * ssd.CHUNK_BYTES)) == ssd.MAX_CHUNKS
+    region = store.create_region("big", num_bytes, "optimizer")
+    source = store.new_buffer(region)
+    source[:num_bytes].copy_(torch.randint(0, 256, (num_bytes,), dtype=torch.uint8))
     store.write(region, source)
     target = store.new_buffer(region)
-    store.start_read(region, target)
-    assert store.read_in_flight
-    with pytest.raises(RuntimeError, match="still in flight"):
-        store.start_read(region, store.new_buffer(region))
-    store.finish_read()
-    assert int(target[:8_192].sum()) == 3 * 8_192
+    store.read(region, target)
+    assert torch.equal(target[:num_bytes], source[:num_bytes])
 
 
 def test_stale_data_is_detected(store):

@@ -1,0 +1,42 @@
+"""The shared host arena that hands gradients to the optimizer worker without SSD."""
+import subprocess
+import sys
+
+import torch
+
+from ds_greedysnake.host_grads import GradientArena
+from ds_greedysnake.ssd import ALIGNMENT
+
+
+def test_slots_go_to_the_last_layers_while_they_fit():
+    numels = [1000, 5000, 3000, 2000]
+    # Room for the last two layers (2000 and 3000 floats, each rounded up to 4096-byte pages) only.
+    budget = 2 * ALIGNMENT + 3 * ALIGNMENT + 100
+    arena = GradientArena.create(numels, budget)
+    assert sorted(arena.slot_offsets) == [2, 3]
+    assert arena.total_bytes <= budget
+    arena.slot(3, 2000).fill_(1.0)
+    arena.slot(2, 3000).fill_(2.0)
+    assert float(arena.slot(3, 2000).sum()) == 2000.0, "slots must not overlap"
+    arena.close()
+
+
+def test_zero_budget_means_no_arena():
+    arena = GradientArena.create([10, 10], 0)
+    assert not arena.holds(0) and not arena.holds(1) and arena.fd is None
+    arena.close()
+
+
+def test_another_process_sees_the_gradient():
+    arena = GradientArena.create([4096], 1 << 20)
+    arena.slot(0, 4096).copy_(torch.arange(4096, dtype=torch.float32))
+    reader = ("import sys, torch; sys.path.insert(0, sys.argv[1]); "
+              "from ds_greedysnake.host_grads import GradientArena; "
+              "arena = GradientArena.attach({0: 0}, int(sys.argv[2]), int(sys.argv[3])); "
+              "print(float(arena.slot(0, 4096).sum()))")
+    import os
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    output = subprocess.run([sys.executable, "-c", reader, repo, str(arena.total_bytes), str(arena.fd)],
+                            pass_fds=(arena.fd,), capture_output=True, text=True, check=True).stdout
+    assert float(output) == float(sum(range(4096)))
+    arena.close()
