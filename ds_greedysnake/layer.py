@@ -172,15 +172,21 @@ class LayerOwner:
     # ------------------------------------------------------------------ gradients
 
     def accumulate_grads(self, accumulate_dtype: torch.dtype) -> None:
-        """Add this micro-batch's parameter gradients into the layer's flat accumulator."""
+        """Add this micro-batch's parameter gradients into the layer's flat accumulator.
+
+        Where the accumulator has the parameters' dtype, each ``param.grad`` then becomes a view into
+        it, so autograd adds the next micro-batches' gradients in place (what DDP's
+        gradient_as_bucket_view does): no fresh gradient tensor and no extra pass per micro-batch.
+        """
         if self._grad_accumulator is None:
             # Padded to divide over the ranks; the padding stays zero.
             self._grad_accumulator = torch.zeros(self.layout.padded_numel, dtype=accumulate_dtype, device=self.device)
         offset = 0
         for param, shape in zip(self.params, self.param_shapes):
-            if param.grad is not None:
-                self._grad_accumulator[offset:offset + shape.numel()].add_(param.grad.reshape(-1))
-                param.grad = None
+            view = self._grad_accumulator[offset:offset + shape.numel()].view(shape)
+            if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
+                view.add_(param.grad)
+            param.grad = view if view.dtype == param.dtype else None
             offset += shape.numel()
 
     def take_grads(self) -> torch.Tensor:
@@ -188,6 +194,8 @@ class LayerOwner:
         over the ranks (one reduce-scatter per step); the owner forgets it."""
         assert self._grad_accumulator is not None, f"layer {self.index} has no gradient this step"
         grads, self._grad_accumulator = self._grad_accumulator, None
+        for param in self.params:
+            param.grad = None  # views into the accumulator handed over here
         return self.parallel.reduce_scatter_mean(grads, self.layout)
 
     def discard_grads(self) -> None:

@@ -54,6 +54,16 @@ def adam_settings(ds_optimizer: Dict[str, Any]) -> Tuple[AdamHyperparameters, bo
     return hyper, adamw_mode
 
 
+def squared_norm(values: torch.Tensor, row_width: int = 1024) -> float:
+    """Sum of squares to fp32 precision (~1e-7 relative, as PyTorch's and DeepSpeed's fp32 norms), at
+    memory speed: fp32 norms of short rows, summed in fp64. A flat fp32 norm of millions of elements
+    was 1e-3 off here; converting everything to fp64 first took 10x longer."""
+    flat = values.reshape(-1)
+    whole = flat.numel() // row_width * row_width
+    total = torch.linalg.vector_norm(flat[:whole].view(-1, row_width), dim=1).double().pow(2).sum()
+    return float(total + flat[whole:].double().pow(2).sum())
+
+
 class LayerwiseAdam(torch.optim.Optimizer):
     """A torch optimizer to lr schedulers (DeepSpeed's and PyTorch's): they set ``param_groups[0]["lr"]``,
     which each step's decision reads. Its one parameter is an empty placeholder: the real weights
@@ -115,7 +125,7 @@ class LayerwiseAdam(torch.optim.Optimizer):
         else:
             host_grads = self._grad_buffer[:4 * layer.shard_numel].view(torch.float32)
         host_grads.copy_(grads)
-        self._grad_sq_norms[layer.index] = float(host_grads.double().pow(2).sum())
+        self._grad_sq_norms[layer.index] = squared_norm(grads)
         if not on_host:
             self._store.write(self._grad_regions[layer.index], self._grad_buffer)
 

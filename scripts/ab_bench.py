@@ -67,6 +67,7 @@ def parse_args(argv=None):
     parser.add_argument("--micro-batch-size", type=int, default=None, help="override every configuration's")
     parser.add_argument("--hidden", type=int, default=None, help="override every configuration's hidden size")
     parser.add_argument("--layers", type=int, default=None, help="override every configuration's block count")
+    parser.add_argument("--seq-len", type=int, default=None, help="override every configuration's tokens per sequence")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 2, quick 1)")
     parser.add_argument("--steps", type=int, default=None, help="measured steps (default 4, quick 2)")
     parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
@@ -528,7 +529,8 @@ def main(argv=None):
     base = QUICK_CONFIGS if args.quick else CONFIGS
     configs = {name: dict(base[name]) for name in (args.configs or list(base))}
     for spec in configs.values():
-        for key, value in (("micro_batch_size", args.micro_batch_size), ("hidden", args.hidden), ("layers", args.layers)):
+        for key, value in (("micro_batch_size", args.micro_batch_size), ("hidden", args.hidden), ("layers", args.layers),
+                           ("seq_len", args.seq_len)):
             if value is not None:
                 spec[key] = value
     sweep = args.micro_batches or ([1, 4] if args.quick else [1, 2, 4, 8])

@@ -40,3 +40,15 @@ def test_another_process_sees_the_gradient():
                             pass_fds=(arena.fd,), capture_output=True, text=True, check=True).stdout
     assert float(output) == float(sum(range(4096)))
     arena.close()
+
+
+def test_squared_norm_is_accurate():
+    from ds_greedysnake.optimizer import squared_norm
+
+    torch.manual_seed(0)
+    for numel in (1, 1023, 1024, 3 * 1024 + 17, 2_000_003):
+        values = torch.randn(numel) * 3
+        exact = float(values.double().pow(2).sum())
+        assert abs(squared_norm(values) - exact) <= 3e-7 * exact
+    assert squared_norm(torch.tensor([float("inf"), 1.0])) == float("inf")
+    assert squared_norm(torch.tensor([float("nan")] * 2048)) != squared_norm(torch.tensor([float("nan")] * 2048))
