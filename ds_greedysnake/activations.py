@@ -8,7 +8,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .ssd import Region, SsdStore, aligned_buffer
+from .ssd import Region, SsdStore
 
 Key = Tuple[int, int]  # (layer, micro_batch)
 
@@ -94,5 +94,7 @@ class ActivationStore:
 
     def _staging_for(self, region: Region) -> torch.Tensor:
         if self._staging is None or self._staging.numel() < region.padded_bytes:
-            self._staging = aligned_buffer(region.padded_bytes)
+            if self._staging is not None:
+                self._store.free_buffer(self._staging)
+            self._staging = self._store.buffer(region.padded_bytes)
         return self._staging

@@ -99,7 +99,7 @@ class GreedySnakeEngine(EngineBase):
                                   setup.config.optimizer_worker_threads, self.parallel,
                                   int(setup.config.gradient_host_memory_mb * 2**20))
         # Two buffers: the layer computing and the one being prefetched.
-        pool = BufferPool(max(padded_size(layer.shard_bytes) for layer in self.layers), count=2)
+        pool = BufferPool(param_store, max(padded_size(layer.shard_bytes) for layer in self.layers), count=2)
         for layer in self.layers:
             shard = layer.layout.own_shard(layer.flat_parameters())
             optimizer.initialise_layer(layer, shard.float())

@@ -15,7 +15,7 @@ from torch import nn
 
 from . import deepspeed_compat
 from .parallel import DataParallel
-from .ssd import Region, SsdStore, aligned_buffer
+from .ssd import Region, SsdStore
 from .updates import UpdateHandle
 
 
@@ -26,10 +26,10 @@ class Residency(Enum):
 
 
 class BufferPool:
-    """A fixed number of equal aligned host buffers; running out is a scheduling bug."""
+    """A fixed number of equal aligned host buffers of one store; running out is a scheduling bug."""
 
-    def __init__(self, num_bytes: int, count: int):
-        self._free = [aligned_buffer(num_bytes) for _ in range(count)]
+    def __init__(self, store: SsdStore, num_bytes: int, count: int):
+        self._free = [store.buffer(num_bytes) for _ in range(count)]
 
     def acquire(self) -> torch.Tensor:
         assert self._free, "parameter buffer pool exhausted: more layers in flight than buffers"

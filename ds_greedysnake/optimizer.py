@@ -22,7 +22,7 @@ from .deepspeed_compat import AdamHyperparameters, CpuAdamKernel
 from .host_grads import GradientArena
 from .layer import LayerOwner
 from .parallel import DataParallel
-from .ssd import Region, SsdStore, aligned_buffer, padded_size
+from .ssd import Region, SsdStore, padded_size
 from .updates import InlineUpdater, ReplayTask, UpdateHandle, Updater, UpdateTask, WorkerUpdater, plan_write
 
 _KNOWN_ADAM_PARAMS = {"lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode", "torch_adam"}
@@ -89,8 +89,8 @@ class LayerwiseAdam(torch.optim.Optimizer):
         self._speculative: Dict[int, Tuple[UpdateHandle, int, int]] = {}
         self._next_task_id = 0
         largest = max(layer.shard_numel for layer in layers)
-        self._state_buffer = aligned_buffer(padded_size(12 * largest))
-        self._grad_buffer = aligned_buffer(padded_size(4 * largest))
+        self._state_buffer = store.buffer(padded_size(12 * largest))
+        self._grad_buffer = store.buffer(padded_size(4 * largest))
         self.arena = GradientArena.create([layer.shard_numel for layer in layers], gradient_host_bytes)
         for layer in layers:
             self._state_regions.append([store.create_region(f"opt_l{layer.index}_s{slot}", 12 * layer.shard_numel,

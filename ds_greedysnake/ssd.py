@@ -153,8 +153,17 @@ class SsdStore:
             os.close(descriptor)
         return region
 
+    def buffer(self, num_bytes: int) -> torch.Tensor:
+        """An aligned host buffer this store transfers without a bounce copy; lives as long as the store."""
+        locked = deepspeed_compat.new_locked_buffer(self._handle, num_bytes)
+        return locked if locked is not None else aligned_buffer(num_bytes)
+
+    def free_buffer(self, buffer: torch.Tensor) -> None:
+        """Give back a buffer from ``buffer`` that is no longer used (locked memory is not freed by torch)."""
+        deepspeed_compat.free_locked_buffer(self._handle, buffer)
+
     def new_buffer(self, region: Region) -> torch.Tensor:
-        return aligned_buffer(region.padded_bytes)
+        return self.buffer(region.padded_bytes)
 
     def start_write(self, region: Region, buffer: torch.Tensor) -> None:
         """Begin writing ``buffer`` (stamped with the region's next tag) to ``region``; ``wait`` completes it.

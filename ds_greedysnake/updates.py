@@ -20,7 +20,7 @@ import torch
 
 from .deepspeed_compat import AdamHyperparameters, CpuAdamKernel
 from .host_grads import GradientArena
-from .ssd import IoCounters, Region, SsdStore, aligned_buffer, padded_size
+from .ssd import IoCounters, Region, SsdStore, padded_size
 
 _WORKER_POLL_SECONDS = 1.0
 
@@ -68,12 +68,12 @@ def plan_write(region: Region) -> Region:
 
 
 class UpdateBuffers:
-    """Aligned host buffers for the largest layer; one set per executing process."""
+    """Aligned host buffers of ``store`` for the largest layer; one set per executing process."""
 
-    def __init__(self, largest_numel: int):
-        self.state = aligned_buffer(padded_size(12 * largest_numel))
-        self.grad = aligned_buffer(padded_size(4 * largest_numel))
-        self.params = aligned_buffer(padded_size(4 * largest_numel))
+    def __init__(self, store: SsdStore, largest_numel: int):
+        self.state = store.buffer(padded_size(12 * largest_numel))
+        self.grad = store.buffer(padded_size(4 * largest_numel))
+        self.params = store.buffer(padded_size(4 * largest_numel))
 
 
 def execute_update(task: UpdateTask, store: SsdStore, kernel: CpuAdamKernel, buffers: UpdateBuffers,
@@ -169,7 +169,7 @@ class InlineUpdater(Updater):
     def __init__(self, store: SsdStore, kernel: CpuAdamKernel, largest_numel: int, arena: GradientArena):
         super().__init__(store.counters)
         self._store, self._kernel, self._arena = store, kernel, arena
-        self._buffers = UpdateBuffers(largest_numel)
+        self._buffers = UpdateBuffers(store, largest_numel)
 
     def submit(self, task: UpdateTask) -> UpdateHandle:
         handle = UpdateHandle(self, task)
@@ -195,7 +195,7 @@ def worker_main(task_fd: int, result_fd: int) -> None:
     store = SsdStore(folder, ds_config, IoCounters(), "worker")
     arena = GradientArena.attach(*arena_layout)
     kernel = CpuAdamKernel(hyper, adamw_mode)
-    buffers = UpdateBuffers(largest_numel)
+    buffers = UpdateBuffers(store, largest_numel)
     results.send("ready")
     while True:
         try:
