@@ -19,6 +19,7 @@ RUN_FIELDS = {
     "step_seconds_median", "tokens_per_second", "ssd_read_bytes_per_step", "ssd_write_bytes_per_step",
     "param_read_bytes_per_step", "proc_read_bytes_per_step", "proc_write_bytes_per_step", "peak_rss_mib",
     "peak_rss_children_mib", "final_loss", "losses", "steps", "ds_config", "roofline", "io_crosscheck_read",
+    "world_size",
 }
 GREEDYSNAKE_FIELDS = {"worker_read_bytes_per_step", "worker_write_bytes_per_step", "seconds_by_op_mean",
                       "optimizer_seconds_mean", "optimizer_wait_seconds_mean", "io_crosscheck_write"}

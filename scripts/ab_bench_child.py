@@ -1,0 +1,239 @@
+"""One child of the A/B benchmark, in its own process: one engine run on one rank, or the machine probe.
+
+    python scripts/ab_bench_child.py SPEC.json      # written by scripts/ab_bench.py
+
+Each engine runs in a fresh process because DeepSpeed's zero.Init replaces torch.nn.functional.linear
+for the whole process; a run with several ranks is one process per rank, started by the parent with
+the launcher's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+"""
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+
+from ab_bench_setup import (AIO, MIB, ds_config, gpt_config, largest_param_numel, peak_rss_mib,  # noqa: E402
+                            process_io)
+
+
+def run_engine(spec: dict) -> dict:
+    print(f"{time.strftime('%H:%M:%S')} importing", flush=True)
+    import torch
+    import deepspeed
+    from torch import nn
+
+    import ds_greedysnake
+    from ds_greedysnake.deepspeed_compat import count_zero_param_swap_reads
+    from ds_greedysnake.models.gpt import build_gpt, lm_loss, micro_batches, synthetic_corpus
+
+    print(f"{time.strftime('%H:%M:%S')} imported", flush=True)
+    engine_name, model_spec, m = spec["engine"], spec["model"], spec["micro_batches"]
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    mbs = model_spec["micro_batch_size"]
+    os.makedirs(spec["nvme_path"], exist_ok=True)
+    ds = ds_config(spec["nvme_path"], mbs, m, engine_name == "greedysnake", largest_param_numel(model_spec))
+    gpt = gpt_config(model_spec)
+    torch.manual_seed(spec["seed"])
+    if engine_name == "zero_infinity":
+        class CheckpointedGPT(nn.Sequential):
+            """[embedding, blocks..., head] with DeepSpeed's activation checkpointing around each block,
+            so the baseline recomputes in backward as greedysnake does. torch.utils.checkpoint gives
+            wrong gradients with NVMe parameters on DeepSpeed 0.19.8 (docs/zero_infinity.md)."""
+
+            def forward(self, token_ids):
+                hidden = self[0](token_ids)
+                for block in list(self)[1:-1]:
+                    hidden = deepspeed.checkpointing.checkpoint(block, hidden)
+                return self[-1](hidden)
+
+        from deepspeed.accelerator import get_accelerator
+        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+        deepspeed.checkpointing.configure(None, deepspeed_config=ds)
+        with deepspeed.zero.Init(config_dict_or_path=ds):
+            model = CheckpointedGPT(*build_gpt(gpt))
+    else:
+        model = build_gpt(gpt)
+    parameters = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
+    engine, _, _, _ = ds_greedysnake.initialize(model=model, model_parameters=model.parameters(), config=ds,
+                                                loss_fn=lm_loss)
+    # Each rank reads its own micro-batches, the same ones under both engines.
+    data_seed = spec["seed"] + rank
+    batches = micro_batches(synthetic_corpus(100_000, model_spec["vocab"], data_seed), mbs, model_spec["seq_len"],
+                            data_seed)
+    steps = []
+    for index in range(spec["warmup"] + spec["steps"]):
+        io_before = process_io()
+        started = time.perf_counter()
+        if engine_name == "zero_infinity":
+            with count_zero_param_swap_reads() as counter:
+                loss = float(engine.train_batch(batches))
+        else:
+            loss = float(engine.train_batch(batches))
+        seconds = time.perf_counter() - started
+        io_after = process_io()
+        record = {"step": index + 1, "warmup": index < spec["warmup"], "seconds": seconds, "loss": loss,
+                  "proc_read_bytes": io_after["read_bytes"] - io_before["read_bytes"],
+                  "proc_write_bytes": io_after["write_bytes"] - io_before["write_bytes"]}
+        if engine_name == "zero_infinity":
+            record.update(param_read_bytes=counter.bytes, param_reads=counter.reads,
+                          # No aio-layer counters for the optimizer swapper: the process's I/O is the total.
+                          ssd_read_bytes=record["proc_read_bytes"], ssd_write_bytes=record["proc_write_bytes"])
+        else:
+            metrics = engine.last_step_metrics
+            record.update(param_read_bytes=metrics.ssd_bytes_read.get("param", 0),
+                          param_reads=metrics.ssd_reads.get("param", 0),
+                          ssd_read_bytes=sum(metrics.ssd_bytes_read.values()),
+                          ssd_write_bytes=sum(metrics.ssd_bytes_written.values()),
+                          ssd_bytes_read_by_kind=dict(metrics.ssd_bytes_read),
+                          ssd_bytes_written_by_kind=dict(metrics.ssd_bytes_written),
+                          worker_read_bytes=metrics.ssd_bytes_read.get("optimizer_worker", 0),
+                          worker_write_bytes=metrics.ssd_bytes_written.get("optimizer_worker", 0),
+                          seconds_by_op=dict(metrics.seconds_by_op),
+                          compute_seconds=metrics.compute_seconds,
+                          optimizer_seconds=metrics.optimizer_seconds,
+                          optimizer_wait_seconds=metrics.optimizer_wait_seconds)
+        steps.append(record)
+        print(json.dumps({k: v for k, v in record.items() if not isinstance(v, dict)}), flush=True)
+    if engine_name == "greedysnake":
+        engine.close()
+    measured = [s for s in steps if not s["warmup"]]
+    median = lambda key: statistics.median(s[key] for s in measured)
+    tokens = m * mbs * model_spec["seq_len"] * world_size
+    result = {
+        "engine": engine_name, "config": spec["config"], "micro_batches": m, "micro_batch_size": mbs,
+        "world_size": world_size, "rank": rank, "global_batch": m * mbs * world_size, "tokens_per_step": tokens, "parameters": parameters,
+        "step_seconds_median": median("seconds"), "tokens_per_second": tokens / median("seconds"),
+        "ssd_read_bytes_per_step": median("ssd_read_bytes"), "ssd_write_bytes_per_step": median("ssd_write_bytes"),
+        "param_read_bytes_per_step": median("param_read_bytes"),
+        "proc_read_bytes_per_step": median("proc_read_bytes"),
+        "proc_write_bytes_per_step": median("proc_write_bytes"),
+        "peak_rss_mib": peak_rss_mib(),
+        # The optimizer worker (greedysnake) is a child process: its peak is reported apart, once joined.
+        "peak_rss_children_mib": peak_rss_mib(resource.RUSAGE_CHILDREN),
+        "final_loss": steps[-1]["loss"], "losses": [s["loss"] for s in steps],
+        "steps": steps, "ds_config": ds, "torch_threads": torch.get_num_threads(),
+    }
+    if engine_name == "greedysnake":
+        result["worker_read_bytes_per_step"] = median("worker_read_bytes")
+        result["worker_write_bytes_per_step"] = median("worker_write_bytes")
+        ops = {}
+        for s in measured:
+            for op, secs in s["seconds_by_op"].items():
+                ops[op] = ops.get(op, 0.0) + secs / len(measured)
+        result["seconds_by_op_mean"] = ops
+        result["optimizer_seconds_mean"] = statistics.mean(s["optimizer_seconds"] for s in measured)
+        result["optimizer_wait_seconds_mean"] = statistics.mean(s["optimizer_wait_seconds"] for s in measured)
+        # Cross-check: the aio counters against this process's I/O plus the worker's aio counters.
+        result["io_crosscheck_read"] = ((result["proc_read_bytes_per_step"] + result["worker_read_bytes_per_step"])
+                                        / max(1, result["ssd_read_bytes_per_step"]))
+        result["io_crosscheck_write"] = ((result["proc_write_bytes_per_step"] + result["worker_write_bytes_per_step"])
+                                         / max(1, result["ssd_write_bytes_per_step"]))
+    else:
+        # Parameter reads counted at the swapper against everything the process read.
+        result["io_crosscheck_read"] = result["param_read_bytes_per_step"] / max(1, result["proc_read_bytes_per_step"])
+        result["io_crosscheck_write"] = None
+    return result
+
+
+def measure_machine(spec: dict) -> dict:
+    print(f"{time.strftime('%H:%M:%S')} importing", flush=True)
+    import torch
+    from ds_greedysnake import deepspeed_compat
+    from ds_greedysnake.deepspeed_compat import AdamHyperparameters, CpuAdamKernel
+    from ds_greedysnake.models.gpt import build_gpt, lm_loss
+    from ds_greedysnake.ssd import IoCounters, SsdStore
+
+    result = {"torch_threads": torch.get_num_threads(), "cpus": os.cpu_count()}
+    # SSD: one large region through DeepSpeed's aio handle, same aio block as the runs.
+    folder = spec["nvme_path"]
+    store = SsdStore(folder, {"aio": dict(AIO)}, IoCounters(), "roofline")
+    region_bytes = spec["ssd_region_mib"] * MIB
+    region = store.create_region("probe", region_bytes, "probe")
+    buffer = store.new_buffer(region)
+    buffer.fill_(7)
+    writes, reads = [], []
+    for _ in range(spec["ssd_repeats"]):
+        started = time.perf_counter()
+        store.write(region, buffer)
+        writes.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        store.read(region, buffer)
+        reads.append(time.perf_counter() - started)
+    result["ssd_region_bytes"] = region.padded_bytes
+    # The fastest repeat, as for compute below: the roofline is the best the machine does, and this
+    # virtual disk's rates moved by 2x between runs here.
+    result["ssd_read_bytes_per_s_one_region"] = region.padded_bytes / min(reads)
+    result["ssd_write_bytes_per_s"] = region.padded_bytes / min(writes)
+    # Several reads in flight on one handle (ZeRO-Infinity's swapper issues several at once); the
+    # roofline takes the faster of the two read rates.
+    parts = 4
+    regions = [store.create_region(f"part{i}", region_bytes // parts, "probe") for i in range(parts)]
+    buffers = [store.new_buffer(r) for r in regions]
+    for r, b in zip(regions, buffers):
+        store.write(r, b)
+    handle = deepspeed_compat.new_aio_handle({"aio": dict(AIO)})
+    parallel = []
+    for _ in range(spec["ssd_repeats"]):
+        started = time.perf_counter()
+        for r, b in zip(regions, buffers):
+            handle.pread(b[:r.padded_bytes], r.path, False, True, 0)
+        completed = handle.wait()
+        parallel.append(time.perf_counter() - started)
+        assert completed == parts, completed
+    result["ssd_read_bytes_per_s_parallel"] = sum(r.padded_bytes for r in regions) / min(parallel)
+    result["ssd_read_bytes_per_s"] = max(result["ssd_read_bytes_per_s_one_region"],
+                                         result["ssd_read_bytes_per_s_parallel"])
+    # CPU Adam: DeepSpeed's kernel on flat fp32 tensors.
+    numel = spec["adam_numel"]
+    hyper = AdamHyperparameters(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    kernel = CpuAdamKernel(hyper, adamw_mode=True)
+    tensors = [torch.randn(numel) for _ in range(4)]
+    times = []
+    for step in range(1, 8):
+        started = time.perf_counter()
+        kernel.update(step, hyper, *tensors)
+        times.append(time.perf_counter() - started)
+    result["adam_elements_per_s"] = numel / statistics.median(times[1:])
+    # Compute: plain PyTorch forward (no graph) and forward+backward per micro-batch, per configuration.
+    result["compute"] = {}
+    for name, model_spec in spec["configs"].items():
+        torch.manual_seed(0)
+        model = build_gpt(gpt_config(model_spec))
+        tokens = torch.randint(0, model_spec["vocab"], (model_spec["micro_batch_size"], model_spec["seq_len"]))
+        forward, forward_backward = [], []
+        for _ in range(spec["compute_repeats"] + 1):
+            started = time.perf_counter()
+            with torch.no_grad():
+                model(tokens)
+            forward.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            lm_loss(model(tokens), tokens).backward()
+            forward_backward.append(time.perf_counter() - started)
+            model.zero_grad(set_to_none=False)  # reuse the gradient buffers, as the engines do
+        # The fastest repeat: the roofline is the best the machine does (this machine is shared and noisy).
+        result["compute"][name] = {"forward_s": min(forward[1:]), "forward_backward_s": min(forward_backward[1:])}
+    return result
+
+
+def main(spec_path: str) -> None:
+    with open(spec_path) as handle:
+        spec = json.load(handle)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    result_path = spec["result_path"]
+    if world_size > 1:  # one result per rank; the parent merges them
+        result_path = result_path.replace(".json", f".rank{os.environ['RANK']}.json")
+    if os.path.exists(result_path):
+        os.remove(result_path)
+    result = run_engine(spec) if spec["kind"] == "engine" else measure_machine(spec)
+    with open(result_path, "w") as handle:
+        json.dump(result, handle, indent=1)
+    # DeepSpeed's native threads have aborted this process at exit ("terminate called without an
+    # active exception") after a complete run; the result is written, so skip the teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,123 @@
+"""The A/B benchmark's report: the roofline of each run, the markdown tables and the plot."""
+from ab_bench_setup import LABELS, MIB
+
+
+def roofline(run: dict, machine: dict, model_spec: dict) -> dict:
+    """The best step time the machine allows for this run's measured SSD volume and compute.
+
+    CPU work (forward, recompute and backward of every micro-batch, and Adam over every parameter)
+    shares the same cores, so it adds up; SSD transfers run on the aio threads and can overlap the CPU
+    work, but reads and writes share the SSD. Bound = max(CPU time, SSD time)."""
+    compute = machine["compute"][run["config"]]
+    # Every rank's micro-batches share this machine's cores (one process per rank).
+    m = run["micro_batches"] * run.get("world_size", 1)
+    # Both engines recompute: forward without a graph, then forward with it and backward.
+    cpu_seconds = m * (compute["forward_s"] + compute["forward_backward_s"]) + \
+        run["parameters"] / machine["adam_elements_per_s"]
+    read_rate, write_rate = machine["ssd_read_bytes_per_s"], machine["ssd_write_bytes_per_s"]
+    io_seconds = run["ssd_read_bytes_per_step"] / read_rate + run["ssd_write_bytes_per_step"] / write_rate
+    # The vertical schedule's minimum SSD volume (fp32; ranks hold shards, so the total does not change
+    # with their number): every layer read once per sweep (twice), master weights and moments read
+    # once and written once, new weights written once; gradients stay in host memory.
+    p = run["parameters"] * 4
+    vertical_io = (2 * p + 3 * p) / read_rate + (3 * p + p) / write_rate
+    bound = max(cpu_seconds, io_seconds)
+    vertical_bound = max(cpu_seconds, vertical_io)
+    return {"cpu_seconds": cpu_seconds, "io_seconds": io_seconds, "bound_seconds": bound,
+            "bound_tokens_per_second": run["tokens_per_step"] / bound,
+            "vertical_io_seconds": vertical_io, "vertical_bound_seconds": vertical_bound,
+            "vertical_bound_tokens_per_second": run["tokens_per_step"] / vertical_bound,
+            "distance_to_bound": run["step_seconds_median"] / bound,
+            "distance_to_vertical_bound": run["step_seconds_median"] / vertical_bound,
+            "limited_by": "SSD" if io_seconds > cpu_seconds else "CPU"}
+
+
+def markdown(report: dict) -> str:
+    lines = [f"A/B benchmark, {report['started']}, {report['machine']['cpus']} CPUs, "
+             f"{'quick' if report['quick'] else 'default'} sweep, {report['warmup']} warm-up + "
+             f"{report['steps']} measured steps (median), SSD {report['machine']['ssd_read_bytes_per_s'] / MIB:.0f} MiB/s "
+             f"read / {report['machine']['ssd_write_bytes_per_s'] / MIB:.0f} MiB/s write, CPU Adam "
+             f"{report['machine']['adam_elements_per_s'] / 1e6:.0f} M elements/s", ""]
+    for name, model_spec in report["configs"].items():
+        compute = report["machine"]["compute"][name]
+        lines.append(f"**{name}**: GPT {model_spec['layers']} blocks, hidden {model_spec['hidden']}, vocab "
+                     f"{model_spec['vocab']}, micro-batch {model_spec['micro_batch_size']} x {model_spec['seq_len']} "
+                     f"tokens, fp32; forward {1000 * compute['forward_s']:.0f} ms, forward+backward "
+                     f"{1000 * compute['forward_backward_s']:.0f} ms per micro-batch")
+    lines += ["", "| config | M | ranks | engine | step s | tokens/s | speed-up | SSD read MiB/step (params) | "
+              "SSD written MiB/step | proc read / written MiB | peak RSS MiB (worker) | final loss | "
+              "roofline s (limit) | distance | vertical roofline s | distance |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for run in report["runs"]:
+        roof = run["roofline"]
+        pair = [r for r in report["runs"] if r["config"] == run["config"] and r["micro_batches"] == run["micro_batches"]
+                and r.get("world_size", 1) == run.get("world_size", 1)
+                and r["engine"] == "zero_infinity"]
+        speedup = run["tokens_per_second"] / pair[0]["tokens_per_second"] if pair else float("nan")
+        worker = f" ({run['peak_rss_children_mib']:.0f})" if run["engine"] == "greedysnake" else ""
+        lines.append(
+            f"| {run['config']} | {run['micro_batches']} | {run.get('world_size', 1)} | {LABELS[run['engine']]} | "
+            f"{run['step_seconds_median']:.2f} | "
+            f"{run['tokens_per_second']:.0f} | {speedup:.2f}x | {run['ssd_read_bytes_per_step'] / MIB:.0f} "
+            f"({run['param_read_bytes_per_step'] / MIB:.0f}) | {run['ssd_write_bytes_per_step'] / MIB:.0f} | "
+            f"{run['proc_read_bytes_per_step'] / MIB:.0f} / {run['proc_write_bytes_per_step'] / MIB:.0f} | "
+            f"{run['peak_rss_mib']:.0f}{worker} | {run['final_loss']:.5f} | {roof['bound_seconds']:.2f} "
+            f"({roof['limited_by']}) | {roof['distance_to_bound']:.2f}x | {roof['vertical_bound_seconds']:.2f} | "
+            f"{roof['distance_to_vertical_bound']:.2f}x |")
+    lines += ["", "| config | M | ranks | final loss ZeRO-Infinity | final loss greedysnake | relative difference |",
+              "|---|---|---|---|---|---|"]
+    for item in report["loss_agreement"]:
+        lines.append(f"| {item['config']} | {item['micro_batches']} | {item.get('world_size', 1)} | "
+                     f"{item['zero_infinity']:.6f} | "
+                     f"{item['greedysnake']:.6f} | {item['relative_difference']:.1e} |")
+    gs_runs = [r for r in report["runs"] if r["engine"] == "greedysnake"]
+    if gs_runs:
+        ops = sorted({op for r in gs_runs for op in r["seconds_by_op_mean"]})
+        lines += ["", "greedysnake seconds per step by op (engine.last_step_metrics.seconds_by_op, mean):", "",
+                  "| config | M | ranks | " + " | ".join(ops) + " | optimizer (worker) | optimizer wait |",
+                  "|---|---|---|" + "---|" * (len(ops) + 2)]
+        for r in gs_runs:
+            lines.append(f"| {r['config']} | {r['micro_batches']} | {r.get('world_size', 1)} | "
+                         + " | ".join(f"{r['seconds_by_op_mean'].get(op, 0.0):.2f}" for op in ops)
+                         + f" | {r['optimizer_seconds_mean']:.2f} | {r['optimizer_wait_seconds_mean']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["configs"])
+    figure, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4.5), squeeze=False)
+    for axis, name in zip(axes[0], names):
+        for engine, colour in (("zero_infinity", "tab:red"), ("greedysnake", "tab:blue")):
+            runs = sorted((r for r in report["runs"] if r["config"] == name and r["engine"] == engine
+                           and r.get("world_size", 1) == 1), key=lambda r: r["global_batch"])
+            for run in report["runs"]:  # runs on several ranks: one marker each
+                if run["config"] == name and run["engine"] == engine and run.get("world_size", 1) > 1:
+                    axis.plot([run["global_batch"]], [run["tokens_per_second"]], "s", color=colour, fillstyle="none",
+                              label=f"{LABELS[engine]}, {run['world_size']} ranks")
+            if not runs:
+                continue
+            batch = [r["global_batch"] for r in runs]
+            axis.plot(batch, [r["tokens_per_second"] for r in runs], "o-", color=colour, label=f"{LABELS[engine]} measured")
+            axis.plot(batch, [r["roofline"]["bound_tokens_per_second"] for r in runs], "--", color=colour,
+                      label=f"roofline, {LABELS[engine]}'s SSD volume")
+            if engine == "greedysnake":
+                axis.plot(batch, [r["roofline"]["vertical_bound_tokens_per_second"] for r in runs], ":",
+                          color="black", label="roofline, vertical schedule's minimum volume")
+        model_spec = report["configs"][name]
+        axis.set_title(f"{name}: {model_spec['layers']} blocks, hidden {model_spec['hidden']}, "
+                       f"{model_spec['micro_batch_size']} x {model_spec['seq_len']} tokens / micro-batch", fontsize=9)
+        axis.set_xlabel("global batch (sequences per step = M x micro-batch size x ranks)")
+        axis.set_ylabel("tokens/s")
+        axis.set_xscale("log", base=2)
+        axis.set_ylim(bottom=0)
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
