@@ -34,9 +34,11 @@ def is_hf_causal_lm(model: nn.Module) -> bool:
     return isinstance(model, PreTrainedModel)
 
 
-def hf_causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """HF's causal LM loss: ``labels`` are the input ids (HF shifts them by one inside; -100 is ignored)."""
+def hf_causal_lm_loss(output, labels: torch.Tensor) -> torch.Tensor:
+    """HF's causal LM loss: ``labels`` are the input ids (HF shifts them by one inside; -100 is ignored).
+    ``output`` is the head's logits, or the model's own output (for the plain DeepSpeed engine)."""
     from transformers.loss.loss_utils import ForCausalLMLoss
+    logits = getattr(output, "logits", output)
     return ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1])
 
 
