@@ -102,16 +102,28 @@ def build_model(args, ds_config):
             return AutoModelForCausalLM.from_pretrained(args.config_path, local_files_only=True, dtype=dtype)
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
-    if args.baseline:
-        # ZeRO-3 needs the model built under zero.Init (else fp32 configs get bf16 weights on CPU), and the
-        # fair baseline recomputes activations as greedysnake does.
+    if args.baseline and dtype == torch.float32:
+        # fp32 under ZeRO-3 needs the model built under zero.Init (else it gets bf16 weights on CPU). Import
+        # the model's code first: zero.Init patches torch.Tensor.__new__, and torch._dynamo (which transformers
+        # imports lazily) refuses to load under that patch. Note: HF's own weight init does not reach
+        # parameters zero.Init has already partitioned, so this model starts from PyTorch's default init.
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
         with deepspeed.zero.Init(config_dict_or_path=ds_config):
             model = make()
-        model.gradient_checkpointing_enable()
     else:
-        model = make()
+        model = make()  # the same initial weights for both engines
+    if args.baseline:
+        model.gradient_checkpointing_enable()  # the fair baseline recomputes activations as greedysnake does
     model.config.use_cache = False
     return model.train()
+
+
+def largest_parameter(args) -> int:
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        twin = AutoModelForCausalLM.from_config(model_config(args))
+    return max(p.numel() for p in twin.parameters())
 
 
 def token_stream(args, vocab_size: int, micro_batch_size: int):
@@ -173,11 +185,11 @@ def main():
     config = build_config(args)
     if args.fp32:
         config.pop("bf16", None)
+    offload = config["zero_optimization"]["offload_param"]
+    # ZeRO-Infinity's swap buffers must hold the largest parameter (counted on a meta-device copy).
+    offload["buffer_size"] = max(offload.get("buffer_size", 0), largest_parameter(args))
     model = build_model(args, config)
     parameters = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-    largest = max(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-    offload = config["zero_optimization"]["offload_param"]
-    offload["buffer_size"] = max(offload.get("buffer_size", 0), largest)  # ZeRO-Infinity's swap buffers
     engine, _, _, _ = ds_greedysnake.initialize(model=model, model_parameters=model.parameters(), config=config,
                                                 loss_fn=hf_causal_lm_loss)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -30,26 +30,35 @@ def hf_loss_of(model, inputs, labels):
     return model(input_ids=inputs, labels=labels).loss
 
 
-def train_greedysnake(nvme_path, family, steps, seed=0, **greedysnake):
+def train_greedysnake(nvme_path, family, steps, seed=0, clipping=0.0, model_options=None, **greedysnake):
     os.makedirs(nvme_path, exist_ok=True)
-    model = tiny_model(family, seed=seed, **greedysnake.pop("model_options", {}))
-    engine, _, _, _ = ds_greedysnake.initialize(
-        model=model, config=ds_config(nvme_path, NUM_MICRO_BATCHES, greedysnake=greedysnake), loss_fn=hf_causal_lm_loss)
+    model = tiny_model(family, seed=seed, **(model_options or {}))
+    config = ds_config(nvme_path, NUM_MICRO_BATCHES, clipping=clipping, greedysnake=greedysnake)
+    engine, _, _, _ = ds_greedysnake.initialize(model=model, config=config, loss_fn=hf_causal_lm_loss)
     batches = hf_data()
-    losses = [float(engine.train_batch(batches)) for _ in range(steps)]
-    return engine, losses, batches
+    losses, grad_norms = [], []
+    for _ in range(steps):
+        losses.append(float(engine.train_batch(batches)))
+        grad_norms.append(engine.last_step_metrics.global_grad_norm)
+    return engine, losses, batches, grad_norms
 
 
-@pytest.mark.parametrize("family,overlap", [(family, True) for family in FAMILIES] + [("gpt2", False), ("opt", False)])
-def test_hf_family_matches_pytorch(tmp_path, family, overlap):
-    engine, losses, batches = train_greedysnake(str(tmp_path), family, STEPS, optimizer_overlap=overlap)
-    reference, reference_losses = reference_training(tiny_model(family), None, NUM_MICRO_BATCHES, STEPS,
+CASES = [(family, True, 0.0) for family in FAMILIES] + [("gpt2", False, 0.0), ("opt", False, 0.0), ("llama", True, 1.0)]
+
+
+@pytest.mark.parametrize("family,overlap,clipping", CASES)
+def test_hf_family_matches_pytorch(tmp_path, family, overlap, clipping):
+    engine, losses, batches, grad_norms = train_greedysnake(str(tmp_path), family, STEPS, clipping=clipping,
+                                                optimizer_overlap=overlap)
+    reference, reference_losses = reference_training(tiny_model(family), None, NUM_MICRO_BATCHES, STEPS, clipping,
                                                      batches=hf_data(), loss_of=hf_loss_of)
     masters = engine.master_parameters()
     assert set(masters) == {name for name, _ in reference.named_parameters()}  # a tied weight counted once
     assert losses == pytest.approx(reference_losses, rel=FP32_TOLERANCE)
     assert relative_l2(masters, reference) <= FP32_TOLERANCE
     assert relative_l2(masters, tiny_model(family)) > 100 * FP32_TOLERANCE  # the weights moved
+    if clipping:
+        assert max(grad_norms) > clipping  # clipping really scaled the gradients
     if family in ("gpt2", "opt"):
         assert engine.layers[-1].lenders == [engine.layers[0]]
         # Forward-only loss after training sees the updated tied weight through the head.
@@ -64,11 +73,10 @@ def test_hf_family_matches_pytorch(tmp_path, family, overlap):
 
 
 def test_dropout_runs_are_reproducible(tmp_path):
-    options = dict(model_options={"dropout": 0.1})
     torch.manual_seed(123)
-    first = train_greedysnake(str(tmp_path / "a"), "gpt2", 2, **dict(options))
+    first = train_greedysnake(str(tmp_path / "a"), "gpt2", 2, model_options={"dropout": 0.1})
     torch.manual_seed(123)
-    second = train_greedysnake(str(tmp_path / "b"), "gpt2", 2, **dict(options))
+    second = train_greedysnake(str(tmp_path / "b"), "gpt2", 2, model_options={"dropout": 0.1})
     assert first[1] == second[1]
     for name, value in first[0].master_parameters().items():
         assert torch.equal(value, second[0].master_parameters()[name]), name
