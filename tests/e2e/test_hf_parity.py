@@ -105,3 +105,21 @@ def test_recompute_replays_the_forward_dropout_masks(tmp_path):
         assert len(match) == 1
         assert torch.equal(match[0][2], output)
     engine.close()
+
+
+def test_tied_model_checkpoint_resumes_exactly(tmp_path):
+    """The tied weight is saved once (with layer 0) and a resumed run continues exactly."""
+    engine, _, batches, _ = train_greedysnake(str(tmp_path / "a"), "gpt2", 2)
+    engine.save_checkpoint(str(tmp_path / "checkpoints"))
+    uninterrupted = float(engine.train_batch(batches))
+    expected = engine.master_parameters()
+    engine.close()
+    resumed, _, _, _ = train_greedysnake(str(tmp_path / "b"), "gpt2", 0)
+    resumed.load_checkpoint(str(tmp_path / "checkpoints"))
+    later = hf_data()
+    for _ in range(2 * NUM_MICRO_BATCHES):
+        next(later)
+    assert float(resumed.train_batch(later)) == uninterrupted
+    for name, value in resumed.master_parameters().items():
+        assert torch.equal(value, expected[name]), name
+    resumed.close()
