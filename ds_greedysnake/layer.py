@@ -134,8 +134,8 @@ class LayerOwner:
 
     def fetch(self) -> None:
         self._fetch_own()
-        # After this layer's own read (the store has one read in flight at a time); the lender's fetch
-        # waits for its pending update, so the borrowed weights are current.
+        # The lender's fetch (after this layer's own) waits for the lender's pending update, so the
+        # borrowed weights are current.
         for lender in self.lenders:
             lender.fetch()
 
