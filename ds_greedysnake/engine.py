@@ -15,7 +15,7 @@ from .deepspeed_compat import EngineBase, accelerator_device
 from .executor import Executor, StepResult
 from .layer import BufferPool, LayerOwner
 from .parallel import DataParallel
-from .model_split import split_model
+from .model_split import plan_split
 from .optimizer import LayerwiseAdam
 from .ssd import IoCounters, SsdStore, SwapFolderLock, padded_size
 
@@ -76,15 +76,16 @@ class GreedySnakeEngine(EngineBase):
         folder = os.path.join(setup.nvme_path, setup.config.swap_dir_name, f"rank{self.global_rank}")
         self.swap_folder = folder
         self.swap_lock = SwapFolderLock(folder)
-        modules = split_model(self.module)
+        split = plan_split(self.module)
         frozen = [name for name, p in self.module.named_parameters() if not p.requires_grad]
         if frozen:
             raise ValueError(f"frozen parameters {frozen[:5]} are not supported by greedysnake yet: "
                              "make them trainable or move them out of the model")
         self.parallel = DataParallel(self.dp_world_size, dist.get_rank(group=self.data_parallel_group), device,
                                      self.data_parallel_group)
-        self.layers = [LayerOwner(index, module, self.compute_dtype, device, self.parallel)
-                       for index, module in enumerate(modules)]
+        self.layers = [LayerOwner(index, module, self.compute_dtype, device, self.parallel, split.borrowed_by(index))
+                       for index, module in enumerate(split.layers)]
+        self._lend_tied_parameters(split)
         param_store = SsdStore(folder, self.ds_config_dict, self.io_counters, "param")
         optimizer_store = SsdStore(folder, self.ds_config_dict, self.io_counters, "optimizer")
         activation_store = SsdStore(folder, self.ds_config_dict, self.io_counters, "activation")
@@ -98,8 +99,10 @@ class GreedySnakeEngine(EngineBase):
                                   float(self.gradient_clipping() or 0.0), overlap,
                                   setup.config.optimizer_worker_threads, self.parallel,
                                   int(setup.config.gradient_host_memory_mb * 2**20))
-        # Two buffers: the layer computing and the one being prefetched.
-        pool = BufferPool(param_store, max(padded_size(layer.shard_bytes) for layer in self.layers), count=2)
+        # Two buffers: the layer computing and the one being prefetched; a third for a lender resident
+        # with its borrower (tied embeddings: layer 0 stays with the head).
+        pool = BufferPool(param_store, max(padded_size(layer.shard_bytes) for layer in self.layers),
+                          count=3 if split.ties else 2)
         for layer in self.layers:
             shard = layer.layout.own_shard(layer.flat_parameters())
             optimizer.initialise_layer(layer, shard.float())
@@ -109,6 +112,15 @@ class GreedySnakeEngine(EngineBase):
         self.executor = Executor(self.layers, self.activations, optimizer, setup.loss_fn, accumulate_dtype,
                                  setup.config.prefetch, overlap, deferred)
         return optimizer
+
+    def _lend_tied_parameters(self, split) -> None:
+        if split.ties and self.parallel.world_size > 1:
+            names = [name for tie in split.ties for name in tie.names]
+            raise ValueError(f"tied parameters {names} (the head borrows layer 0's embedding) are not supported "
+                             f"with data parallelism yet (world size {self.parallel.world_size}): untie them "
+                             "(e.g. tie_word_embeddings=False in a Hugging Face config) or run one rank")
+        for layer in self.layers:
+            layer.lenders = [self.layers[lender] for lender in split.lenders_of(layer.index)]
 
     def train_batch(self, data_iter: Iterator) -> torch.Tensor:
         """One optimizer step over gradient_accumulation_steps micro-batches from ``data_iter``."""

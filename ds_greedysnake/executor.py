@@ -10,6 +10,7 @@ from torch.profiler import record_function
 from .activations import ActivationStore
 from .layer import LayerOwner
 from .optimizer import LayerwiseAdam, StepDecision
+from .rng import RngState, capture_rng_state, replaying
 from .schedule import Op, OpKind, build_step_schedule
 
 MicroBatch = Tuple[torch.Tensor, torch.Tensor]  # (inputs, labels), already on the device
@@ -40,6 +41,8 @@ class Executor:
             deferred_layers = len(layers)  # exactness: nothing may be updated before the global norm is known
         self.deferred_layers = deferred_layers
         self._schedules: Dict[int, List[Op]] = {}
+        # The random state each (layer, micro-batch) forward started from: its recompute replays it (dropout).
+        self._rng_states: Dict[Tuple[int, int], RngState] = {}
 
     def schedule(self, num_micro_batches: int) -> List[Op]:
         if num_micro_batches not in self._schedules:
@@ -58,6 +61,7 @@ class Executor:
             self._abandon_step()
             raise
         self.activations.clear()
+        self._rng_states.clear()
         ordered_losses = [float(losses[index]) for index in range(num_micro_batches)]
         return StepResult(ordered_losses, decision, dict(seconds))
 
@@ -104,6 +108,7 @@ class Executor:
             layer.discard_grads()
         self.optimizer.abandon_step()
         self.activations.clear()
+        self._rng_states.clear()
 
     def _run(self, op: Op, micro_batches, losses, output_grads) -> None:
         layer = self.layers[op.layer]
@@ -133,6 +138,7 @@ class Executor:
 
     @torch.no_grad()
     def _forward(self, layer: LayerOwner, micro_batch: int, micro_batches) -> None:
+        self._rng_states[(layer.index, micro_batch)] = capture_rng_state()
         hidden = layer.module(self._layer_input(layer, micro_batch, micro_batches, keep=True))
         self.activations.put(layer.index + 1, micro_batch, hidden)
 
@@ -140,7 +146,7 @@ class Executor:
         layer_input = self._layer_input(layer, micro_batch, micro_batches, keep=False)
         if layer.index > 0:
             layer_input = layer_input.detach().requires_grad_(True)
-        with torch.enable_grad():
+        with torch.enable_grad(), replaying(self._rng_states.pop((layer.index, micro_batch), None)):
             return layer_input, layer.module(layer_input)
 
     def _loss_backward(self, layer, micro_batch, micro_batches, losses, output_grads) -> None:

@@ -8,7 +8,7 @@ points the module's parameters at the data on the device, ``release`` drops them
 no-op when already done.
 """
 from enum import Enum
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -42,10 +42,14 @@ class BufferPool:
 class LayerOwner:
 
     def __init__(self, index: int, module: nn.Module, compute_dtype: torch.dtype, device: torch.device,
-                 parallel: DataParallel):
+                 parallel: DataParallel, borrowed: Sequence[nn.Parameter] = ()):
         self.index = index
         self.module = module
-        self.params: List[nn.Parameter] = list(module.parameters())
+        # Borrowed parameters (tied embeddings) belong to a lender layer: stored, updated and checkpointed there.
+        borrowed_ids = {id(param) for param in borrowed}
+        self.params: List[nn.Parameter] = [p for p in module.parameters() if id(p) not in borrowed_ids]
+        # Layers whose parameters this one borrows: resident while it is, and its gradient for them goes to them.
+        self.lenders: List["LayerOwner"] = []
         # Shapes are kept here: a released parameter's .data is an empty placeholder.
         self.param_shapes: List[torch.Size] = [deepspeed_compat.logical_shape(p) for p in self.params]
         self.numel = sum(shape.numel() for shape in self.param_shapes)
@@ -129,6 +133,13 @@ class LayerOwner:
         self._start_read()
 
     def fetch(self) -> None:
+        self._fetch_own()
+        # The lender's fetch (after this layer's own) waits for the lender's pending update, so the
+        # borrowed weights are current.
+        for lender in self.lenders:
+            lender.fetch()
+
+    def _fetch_own(self) -> None:
         if self.state == Residency.RESIDENT:
             return
         if self.state == Residency.ON_SSD:
@@ -149,6 +160,8 @@ class LayerOwner:
         self.state = Residency.RESIDENT
 
     def release(self) -> None:
+        for lender in self.lenders:
+            lender.release()
         if self.state == Residency.ON_SSD:
             return
         if self.state == Residency.READING:
@@ -188,6 +201,9 @@ class LayerOwner:
                 view.add_(param.grad)
             param.grad = view if view.dtype == param.dtype else None
             offset += shape.numel()
+        for lender in self.lenders:
+            # The borrowed parameters' gradient: the lender flushes after this layer (it is layer 0).
+            lender.accumulate_grads(accumulate_dtype)
 
     def take_grads(self) -> torch.Tensor:
         """This rank's shard of the gradient accumulated over every micro-batch of this step, averaged

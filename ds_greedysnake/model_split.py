@@ -1,5 +1,6 @@
 """Model -> the list of layers the vertical schedule runs: [input layer, blocks..., output layer]."""
-from typing import List
+from dataclasses import dataclass, field
+from typing import List, Tuple
 
 from torch import nn
 
@@ -10,18 +11,51 @@ class ModelSplitError(ValueError):
 
 _WHAT_IS_NEEDED = (
     "greedysnake runs a model layer by layer and needs either a torch.nn.Sequential "
-    "[embedding, block, ..., head] or a module with a method greedysnake_layers() returning that list "
-    "(the first takes the micro-batch inputs, the middle ones map hidden state to hidden state, the last "
-    "produces what loss_fn(output, labels) takes)")
+    "[embedding, block, ..., head], a decoder-only Hugging Face causal LM, or a module with a method "
+    "greedysnake_layers() returning that list (the first takes the micro-batch inputs, the middle ones map "
+    "hidden state to hidden state, the last produces what loss_fn(output, labels) takes)")
+
+
+@dataclass(eq=False)
+class Tie:
+    """The last layer uses parameters owned by layer 0 (tied input/output embeddings): it borrows them.
+    Layer 0 keeps them on SSD, in its optimizer state and its checkpoint; the borrower's gradient for
+    them is added to layer 0's."""
+    borrower: int
+    lender: int
+    params: Tuple[nn.Parameter, ...]
+    names: Tuple[str, ...]
+
+
+@dataclass
+class ModelSplit:
+    layers: List[nn.Module]
+    ties: List[Tie] = field(default_factory=list)
+
+    def borrowed_by(self, index: int) -> List[nn.Parameter]:
+        return [param for tie in self.ties if tie.borrower == index for param in tie.params]
+
+    def lenders_of(self, index: int) -> List[int]:
+        return [tie.lender for tie in self.ties if tie.borrower == index]
 
 
 def split_model(model: nn.Module) -> List[nn.Module]:
+    return plan_split(model).layers
+
+
+def plan_split(model: nn.Module) -> ModelSplit:
+    """The layers and the parameters the head borrows from the input layer (tied embeddings)."""
+    from .models.hf import hf_layers, is_hf_causal_lm  # hf imports ModelSplitError from here
+
     if hasattr(model, "greedysnake_layers"):
         layers = list(model.greedysnake_layers())
         source = f"{type(model).__name__}.greedysnake_layers()"
     elif isinstance(model, nn.Sequential):
         layers = list(model)
         source = "the nn.Sequential"
+    elif is_hf_causal_lm(model):
+        layers = hf_layers(model)
+        source = f"the Hugging Face split of {type(model).__name__}"
     else:
         raise ModelSplitError(f"cannot split {type(model).__name__} into layers: {_WHAT_IS_NEEDED}")
     if len(layers) < 2:
@@ -29,18 +63,26 @@ def split_model(model: nn.Module) -> List[nn.Module]:
     for index, layer in enumerate(layers):
         if not isinstance(layer, nn.Module):
             raise ModelSplitError(f"layer {index} of {source} is a {type(layer).__name__}, not an nn.Module")
-    _check_parameters_belong_to_one_layer(layers, model, source)
-    return layers
+    ties = _find_ties(layers, model, source)
+    return ModelSplit(layers, ties)
 
 
-def _check_parameters_belong_to_one_layer(layers: List[nn.Module], model: nn.Module, source: str) -> None:
+def _find_ties(layers: List[nn.Module], model: nn.Module, source: str) -> List[Tie]:
+    """Every parameter must belong to exactly one layer, except that the last layer may borrow from layer 0."""
     owner_of = {}
+    borrowed = {}
+    last = len(layers) - 1
     for index, layer in enumerate(layers):
         for name, param in layer.named_parameters():
             if param in owner_of and owner_of[param][0] != index:
-                raise ModelSplitError(
-                    f"parameter {name} is shared by layers {owner_of[param][0]} and {index} (tied weights); "
-                    "greedysnake keeps each layer's parameters in its own SSD region: untie them")
+                lender = owner_of[param][0]
+                if lender != 0 or index != last:
+                    raise ModelSplitError(
+                        f"parameter {name} is shared by layers {lender} and {index} (tied weights); greedysnake "
+                        "keeps each layer's parameters in its own SSD region and supports only the last layer "
+                        "borrowing from layer 0 (tied input/output embeddings): untie the others")
+                borrowed[param] = owner_of[param][1]
+                continue
             owner_of[param] = (index, name)
     missing = [name for name, param in model.named_parameters() if param not in owner_of]
     if missing:
@@ -49,3 +91,9 @@ def _check_parameters_belong_to_one_layer(layers: List[nn.Module], model: nn.Mod
             "parameter must live in exactly one layer")
     if not any(p.requires_grad for p in model.parameters()):
         raise ModelSplitError("the model has no trainable parameters")
+    if not borrowed:
+        return []
+    if all(param in borrowed for param in layers[last].parameters()):
+        raise ModelSplitError(f"layer {last} of {source} has only borrowed parameters; give it one of its own "
+                              "or merge it into layer 0")
+    return [Tie(last, 0, tuple(borrowed), tuple(borrowed.values()))]

@@ -53,18 +53,20 @@ def data(config: GPTConfig, seed: int = 0):
 
 
 def reference_training(model: torch.nn.Module, config: GPTConfig, num_micro_batches: int, steps: int,
-                       clipping: float = 0.0) -> Tuple[torch.nn.Module, List[float]]:
-    """Plain PyTorch AdamW with gradient accumulation: the ground truth."""
+                       clipping: float = 0.0, batches=None, loss_of=None) -> Tuple[torch.nn.Module, List[float]]:
+    """Plain PyTorch AdamW with gradient accumulation: the ground truth. ``batches`` (default: the tiny
+    GPT's data) and ``loss_of(model, inputs, labels)`` (default: lm_loss of the output) serve other models."""
     model = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-    batches = data(config)
+    batches = batches if batches is not None else data(config)
+    loss_of = loss_of or (lambda module, inputs, labels: lm_loss(module(inputs), labels))
     losses = []
     for _ in range(steps):
         optimizer.zero_grad()
         total = 0.0
         for _ in range(num_micro_batches):
             inputs, labels = next(batches)
-            loss = lm_loss(model(inputs), labels)
+            loss = loss_of(model, inputs, labels)
             (loss / num_micro_batches).backward()
             total += float(loss.detach()) / num_micro_batches
         if clipping > 0:

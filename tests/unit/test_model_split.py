@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from ds_greedysnake.model_split import ModelSplitError, split_model
+from ds_greedysnake.model_split import ModelSplitError, plan_split, split_model
 from ds_greedysnake.models.gpt import GPTConfig, build_gpt
 
 
@@ -33,11 +33,29 @@ def test_one_layer_is_not_enough():
         split_model(nn.Sequential(nn.Linear(2, 2)))
 
 
-def test_tied_weights_are_refused():
+def test_ties_other_than_head_borrowing_from_layer_0_are_refused():
+    embed, middle = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
+    middle.weight = embed.weight
+    with pytest.raises(ModelSplitError, match="shared by layers 0 and 1.*untie"):
+        split_model(nn.Sequential(embed, middle, nn.Linear(10, 2)))
+
+
+def test_head_made_only_of_borrowed_parameters_is_refused():
     embed, head = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
     head.weight = embed.weight
-    with pytest.raises(ModelSplitError, match="shared by layers 0 and 1.*untie"):
+    with pytest.raises(ModelSplitError, match="only borrowed parameters"):
         split_model(nn.Sequential(embed, head))
+
+
+def test_head_borrowing_the_embedding_is_recorded_as_a_tie():
+    embed, head = nn.Embedding(10, 4), nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 10, bias=False))
+    head[1].weight = embed.weight
+    split = plan_split(nn.Sequential(embed, nn.Linear(4, 4), head))
+    assert len(split.ties) == 1
+    tie = split.ties[0]
+    assert (tie.borrower, tie.lender, tie.names) == (2, 0, ("weight",))
+    assert split.borrowed_by(2) == [embed.weight] and split.borrowed_by(1) == []
+    assert split.lenders_of(2) == [0]
 
 
 def test_parameters_outside_layers_are_refused():

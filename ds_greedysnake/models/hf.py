@@ -1,0 +1,204 @@
+"""Hugging Face decoder-only causal LMs as greedysnake layers: [input layer, one wrapper per block, head].
+
+The pieces are found by structure, not by class name:
+  * the decoder stack is the module holding the model's single nn.ModuleList of decoder blocks;
+  * which of the stack's other modules run before the blocks (embeddings, positions, dropout) and
+    which after them (final norm, output projection) is learned by running the model once on the
+    meta device (no memory, no compute) and recording the order they are called in;
+  * the LM head is ``get_output_embeddings()``.
+The input layer runs the model's own forward up to the first block (so every family's embedding
+arithmetic is HF's own code), each block wrapper builds what its block needs from the hidden state
+alone (causal mask, position ids, rotary cos/sin from the model's rotary module, shared read-only),
+and the head applies the post-block modules in traced order, then the LM head. With tied input and
+output embeddings the head uses the embedding's weight: model_split records that layer 0 lends it.
+"""
+import copy
+import inspect
+from typing import List, Optional
+
+import torch
+from torch import nn
+
+from ..model_split import ModelSplitError
+
+# The only per-family hint: attribute names under which a decoder stack keeps its rotary module
+# (a parameterless module; several families share the name).
+_ROTARY_ATTRIBUTES = ("rotary_emb",)
+
+
+def is_hf_causal_lm(model: nn.Module) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return isinstance(model, PreTrainedModel)
+
+
+def hf_causal_lm_loss(output, labels: torch.Tensor) -> torch.Tensor:
+    """HF's causal LM loss: ``labels`` are the input ids (HF shifts them by one inside; -100 is ignored).
+    ``output`` is the head's logits, or the model's own output (for the plain DeepSpeed engine)."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+    logits = getattr(output, "logits", output)
+    return ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1])
+
+
+def hf_layers(model: nn.Module) -> List[nn.Module]:
+    """The layer list greedysnake runs for a decoder-only HF causal LM; ModelSplitError if it cannot."""
+    name = type(model).__name__
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "is_encoder_decoder", False):
+        raise ModelSplitError(f"{name} is not a decoder-only causal LM (encoder-decoder or no config): greedysnake "
+                              "splits decoder-only models; give the model a greedysnake_layers() method instead")
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if layer_types != {"full_attention"}:
+        raise ModelSplitError(f"{name} mixes attention types {sorted(layer_types)}; the automatic split supports "
+                              "full causal attention only")
+    if getattr(config, "layerdrop", 0.0):
+        raise ModelSplitError(f"{name} has layerdrop={config.layerdrop}: set config.layerdrop = 0 "
+                              "(a layer skipped at random cannot be scheduled)")
+    lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if lm_head is None:
+        raise ModelSplitError(f"{name} has no output embeddings (get_output_embeddings() is None): "
+                              "use the ...ForCausalLM class")
+    stack_name, blocks_name = _find_blocks(model)
+    stack = model.get_submodule(stack_name)
+    blocks = getattr(stack, blocks_name)
+    before, after = _trace_stack_children(model, stack_name, blocks_name)
+    head_chain = [getattr(stack, child) for child in after]
+    input_modules = {child: getattr(stack, child) for child in before}
+    rotary = _find_rotary(stack, blocks[0])
+    entry = model.base_model if model.base_model is not model else stack
+    layers: List[nn.Module] = [HfInputLayer(entry, input_modules, blocks[0])]
+    layers += [HfBlock(block, config, rotary) for block in blocks]
+    layers.append(HfHead(head_chain, lm_head))
+    return layers
+
+
+def _find_blocks(model: nn.Module):
+    """(stack path, attribute) of the single ModuleList holding the decoder blocks."""
+    num_layers = getattr(model.config, "num_hidden_layers", None)
+    found = []
+    for path, module in model.named_modules():
+        for child_name, child in module.named_children():
+            if isinstance(child, nn.ModuleList) and len(child) > 0 and len(child) == num_layers:
+                found.append((path, child_name))
+    if len(found) != 1:
+        listed = [f"{p}.{c}" if p else c for p, c in found]
+        raise ModelSplitError(
+            f"{type(model).__name__}: expected exactly one nn.ModuleList of config.num_hidden_layers ({num_layers}) "
+            f"decoder blocks, found {len(found)} {listed}; give the model a greedysnake_layers() method instead")
+    return found[0]
+
+
+def _trace_stack_children(model: nn.Module, stack_name: str, blocks_name: str):
+    """Names of the stack's children called before the first block and after the last one, in call order,
+    from one forward of a parameterless copy of the model on the meta device."""
+    with torch.device("meta"):
+        twin = type(model)(copy.deepcopy(model.config))
+    stack = twin.get_submodule(stack_name)
+    calls = []
+    handles = [child.register_forward_hook(lambda *_, name=name: calls.append(name))
+               for name, child in stack.named_children() if name != blocks_name]
+    handles += [block.register_forward_hook(lambda *_: calls.append(blocks_name))
+                for block in getattr(stack, blocks_name)]
+    try:
+        # use_cache: without a cache, the mask code inspects position ids by value, which meta tensors lack.
+        twin(input_ids=torch.zeros(1, 4, dtype=torch.long, device="meta"), use_cache=True)
+    except Exception as error:  # a model whose forward does not run on the meta device
+        raise ModelSplitError(f"could not trace {type(model).__name__} on the meta device ({error}); "
+                              "give the model a greedysnake_layers() method instead") from error
+    finally:
+        for handle in handles:
+            handle.remove()
+    if blocks_name not in calls:
+        raise ModelSplitError(f"{type(model).__name__}'s forward never called its decoder blocks")
+    first = calls.index(blocks_name)
+    last = len(calls) - 1 - calls[::-1].index(blocks_name)
+    if calls[first:last + 1].count(blocks_name) != last - first + 1:
+        raise ModelSplitError(f"{type(model).__name__} calls {[c for c in calls[first:last] if c != blocks_name]} "
+                              "between its decoder blocks; such a model cannot be split into a chain of blocks")
+    before = list(dict.fromkeys(calls[:first]))
+    after = calls[last + 1:]
+    if len(set(after)) != len(after):
+        raise ModelSplitError(f"{type(model).__name__} calls {after} after its blocks; a chain of distinct "
+                              "modules is needed")
+    return before, after
+
+
+def _find_rotary(stack: nn.Module, first_block: nn.Module) -> Optional[nn.Module]:
+    if "position_embeddings" not in inspect.signature(first_block.forward).parameters:
+        return None
+    for attribute in _ROTARY_ATTRIBUTES:
+        rotary = getattr(stack, attribute, None)
+        if isinstance(rotary, nn.Module) and not any(True for _ in rotary.parameters()):
+            return rotary
+    raise ModelSplitError(f"{type(first_block).__name__} takes position_embeddings but its stack "
+                          f"{type(stack).__name__} has no parameterless rotary module named one of {_ROTARY_ATTRIBUTES}")
+
+
+class _ReachedFirstBlock(Exception):
+    def __init__(self, hidden: torch.Tensor):
+        super().__init__("reached the first decoder block")
+        self.hidden = hidden
+
+
+class HfInputLayer(nn.Module):
+    """Token ids -> the hidden state the model hands its first block, computed by the model's own forward
+    (embeddings, learned positions, embedding dropout), stopped just before that block runs."""
+
+    def __init__(self, entry: nn.Module, input_modules: dict, first_block: nn.Module):
+        super().__init__()
+        # Owned for their parameters; the entry module and the first block are only called, not owned.
+        self.pieces = nn.ModuleDict({name.replace(".", "_"): module for name, module in input_modules.items()})
+        self._entry = [entry]
+        self._first_block = [first_block]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        def stop(_module, args, kwargs):
+            raise _ReachedFirstBlock(args[0] if args else kwargs["hidden_states"])
+
+        handle = self._first_block[0].register_forward_pre_hook(stop, with_kwargs=True)
+        try:
+            self._entry[0](input_ids=input_ids, use_cache=False)
+        except _ReachedFirstBlock as reached:
+            return reached.hidden
+        finally:
+            handle.remove()
+        raise ModelSplitError(f"{type(self._entry[0]).__name__}'s forward returned without calling its first block")
+
+
+class HfBlock(nn.Module):
+    """One decoder block as hidden -> hidden: builds the causal mask, position ids and rotary cos/sin
+    the model's own forward would pass it (no padding mask, no cache: training on full windows)."""
+
+    def __init__(self, block: nn.Module, config, rotary: Optional[nn.Module]):
+        super().__init__()
+        self.block = block
+        self.rotary = rotary  # parameterless, shared by every block wrapper
+        self._config = config
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        kwargs = {"attention_mask": create_causal_mask(config=self._config, inputs_embeds=hidden, attention_mask=None,
+                                                       cache=None, position_ids=position_ids),
+                  "position_ids": position_ids, "use_cache": False}
+        if self.rotary is not None:
+            kwargs["position_embeddings"] = self.rotary(hidden, position_ids=position_ids)
+        output = self.block(hidden, **kwargs)
+        return output[0] if isinstance(output, tuple) else output
+
+
+class HfHead(nn.Module):
+    """The modules the stack applies after its blocks (final norm, output projection), then the LM head."""
+
+    def __init__(self, chain: List[nn.Module], lm_head: nn.Module):
+        super().__init__()
+        self.chain = nn.ModuleList(chain)
+        self.lm_head = lm_head
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        for module in self.chain:
+            hidden = module(hidden)
+        return self.lm_head(hidden)
+

@@ -1,0 +1,37 @@
+"""Tiny random-init Hugging Face causal LMs (built from config objects, no downloads) for the tests."""
+import os
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+FAMILIES = ("gpt2", "llama", "opt", "gpt_neox")
+VOCAB = 256
+SEQ_LEN = 32
+
+
+def tiny_config(family: str, hidden: int = 64, layers: int = 2, dropout: float = 0.0):
+    import transformers
+    common = dict(vocab_size=VOCAB, num_hidden_layers=layers, num_attention_heads=4, hidden_size=hidden,
+                  max_position_embeddings=2 * SEQ_LEN, bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    if family == "gpt2":
+        return transformers.GPT2Config(vocab_size=VOCAB, n_layer=layers, n_head=4, n_embd=hidden, n_positions=2 * SEQ_LEN,
+                                       resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+                                       bos_token_id=0, eos_token_id=1)
+    if family == "llama":
+        return transformers.LlamaConfig(intermediate_size=2 * hidden, num_key_value_heads=2,
+                                        attention_dropout=dropout, **common)
+    if family == "opt":
+        return transformers.OPTConfig(ffn_dim=2 * hidden, word_embed_proj_dim=hidden, dropout=dropout,
+                                      attention_dropout=dropout, **common)
+    if family == "gpt_neox":
+        return transformers.GPTNeoXConfig(intermediate_size=2 * hidden, hidden_dropout=dropout,
+                                          attention_dropout=dropout, **common)
+    raise ValueError(f"unknown family {family!r}; known: {FAMILIES}")
+
+
+def tiny_model(family: str, seed: int = 0, **options) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **options))
+    return model.float()
