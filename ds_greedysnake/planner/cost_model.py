@@ -1,0 +1,339 @@
+"""One training step as phases in which resources run concurrently and the slowest binds.
+
+A phase is a layer's forward or backward sweep (over all M micro-batches, for the vertical
+schedule; one micro-batch, repeated M times, for the horizontal one). Each phase has *lanes*, the
+resources that work at the same time (device compute, the optimizer worker, the SSD, the host
+link, a prefetch stream), and a *serial* part that overlaps nothing (a fetch that must wait). Its
+time is ``serial + max(lanes)``; a step is the sum over phases (design doc, section 4).
+
+Every time is a ``Linear`` expression in the placement shares, the fractions kept in host memory
+instead of on SSD: ``act`` (layer-input checkpoints), ``param`` (low-precision parameters) and
+``opt`` (fp32 master, Adam moments and the fp32 gradient). ``search.py`` minimises the sum over
+those shares with a linear programme; ``evaluate`` plugs fixed shares in.
+
+Three schedules:
+* ``engine_phases``: what ds_greedysnake's engine does today (section "The engine, as modelled" in
+  docs/planner.md): the optimizer worker reads, steps and writes one layer at a time, in order; the
+  gradient flush is a synchronous write; the front ``deferred_layers`` updates run after the step's
+  decision and the next forward waits for each before reading that layer.
+* ``ideal_vertical_phases``: the paper's model: per layer, an alpha share of the optimizer work in
+  forward and the rest in backward, every transfer overlapped.
+* ``horizontal_phases``: ZeRO-Infinity: per micro-batch, every layer's swapped parameters read again
+  (serially when ZeRO-3's prefetch is off), then an optimizer step after the last micro-batch.
+"""
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+from .errors import PlannerError
+from .hardware import Hardware, LayerTimes
+from .shapes import GPTShape
+
+SHARES = ("act", "param", "opt")
+OPTIMIZER_BYTES_PER_PARAM = 12   # fp32 master, exp_avg, exp_avg_sq
+GRAD_BYTES_PER_PARAM = 4         # the fp32 gradient accumulated over the step
+
+
+class Linear:
+    """``const + sum(coef[share] * share)``: a time or a byte count, linear in the host shares."""
+    __slots__ = ("const", "coefs")
+
+    def __init__(self, const: float = 0.0, coefs: Optional[Dict[str, float]] = None):
+        self.const = float(const)
+        self.coefs = dict(coefs or {})
+
+    def __add__(self, other) -> "Linear":
+        if not isinstance(other, Linear):
+            other = Linear(other)
+        coefs = dict(self.coefs)
+        for key, value in other.coefs.items():
+            coefs[key] = coefs.get(key, 0.0) + value
+        return Linear(self.const + other.const, coefs)
+
+    __radd__ = __add__
+
+    def __mul__(self, factor: float) -> "Linear":
+        return Linear(self.const * factor, {key: value * factor for key, value in self.coefs.items()})
+
+    __rmul__ = __mul__
+
+    def value(self, shares: Dict[str, float]) -> float:
+        return self.const + sum(coef * shares.get(key, 0.0) for key, coef in self.coefs.items())
+
+
+def on_ssd(share: str, num_bytes: float) -> Linear:
+    """The part of ``num_bytes`` not kept in host memory: ``num_bytes * (1 - share)``."""
+    return Linear(num_bytes, {share: -num_bytes})
+
+
+def in_host(share: str, num_bytes: float) -> Linear:
+    return Linear(0.0, {share: num_bytes})
+
+
+@dataclass
+class Workload:
+    """What one rank trains per step."""
+    shape: GPTShape
+    micro_batch_size: int
+    micro_batches: int
+    param_bytes: int = 4        # the compute dtype: 4 fp32, 2 bf16
+    activation_bytes: int = 4
+
+    def __post_init__(self):
+        for name in ("micro_batch_size", "micro_batches", "param_bytes", "activation_bytes"):
+            if getattr(self, name) < 1:
+                raise PlannerError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.micro_batch_size * self.shape.seq_len
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.tokens_per_micro_batch * self.micro_batches
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        """One layer input of one micro-batch."""
+        return self.tokens_per_micro_batch * self.shape.hidden * self.activation_bytes
+
+    def compute_key(self) -> str:
+        """What measured layer times depend on (not M): matched against ``Hardware.layer_times_for``."""
+        s = self.shape
+        return (f"hidden={s.hidden},heads={s.heads},vocab={s.vocab},seq_len={s.seq_len},mlp_ratio={s.mlp_ratio},"
+                f"micro_batch_size={self.micro_batch_size},param_bytes={self.param_bytes}")
+
+
+def layer_times(workload: Workload, hardware: Hardware) -> List[LayerTimes]:
+    """Per layer, seconds per micro-batch: measured by the probe when it measured this workload,
+    else FLOPs over the device's effective FLOP/s (backward twice the forward)."""
+    measured = hardware.layer_times if hardware.layer_times_for == workload.compute_key() else {}
+    times = []
+    for layer in workload.shape.layers:
+        if layer.kind in measured:
+            times.append(measured[layer.kind])
+        else:
+            forward = layer.forward_flops_per_token * workload.tokens_per_micro_batch / hardware.device_flops_per_s
+            times.append(LayerTimes(forward, 3 * forward))
+    return times
+
+
+@dataclass
+class Phase:
+    name: str
+    serial: Linear
+    lanes: Dict[str, Linear]
+    repeat: int = 1   # the horizontal schedule runs the same phase once per micro-batch
+
+    def seconds(self, shares: Dict[str, float]) -> Tuple[float, str]:
+        """(seconds, the lane that binds); the serial part counts as its own resource when it dominates."""
+        values = {name: lane.value(shares) for name, lane in self.lanes.items()}
+        binding = max(values, key=values.get) if values else "serial"
+        serial = self.serial.value(shares)
+        slowest = values.get(binding, 0.0)
+        if serial > slowest:
+            binding = "serial"
+        return self.repeat * (serial + slowest), binding
+
+
+@dataclass
+class StepPrediction:
+    engine: str
+    seconds: float
+    tokens_per_second: float
+    binding: str                           # the resource binding the most time
+    seconds_by_binding: Dict[str, float]   # step time attributed to the lane that bound each phase
+    phases: List[Tuple[str, float, str]] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"engine": self.engine, "seconds": self.seconds, "tokens_per_second": self.tokens_per_second,
+                "binding": self.binding, "seconds_by_binding": self.seconds_by_binding,
+                "phases": [{"phase": n, "seconds": s, "binding": b} for n, s, b in self.phases]}
+
+
+def evaluate(engine: str, phases: List[Phase], workload: Workload, shares: Dict[str, float]) -> StepPrediction:
+    total, by_binding, rows = 0.0, {}, []
+    for phase in phases:
+        seconds, binding = phase.seconds(shares)
+        total += seconds
+        by_binding[binding] = by_binding.get(binding, 0.0) + seconds
+        rows.append((phase.name, seconds, binding))
+    binding = max(by_binding, key=by_binding.get)
+    return StepPrediction(engine, total, workload.tokens_per_step / total, binding, by_binding, rows)
+
+
+# ----------------------------------------------------------------------------- shared per-layer terms
+
+
+class _Rates:
+    def __init__(self, hardware: Hardware):
+        self.read = 1.0 / hardware.ssd_read_bytes_per_s             # aggregate, several streams
+        self.read_one = 1.0 / hardware.single_read_rate             # one stream, one read in flight
+        self.write = 1.0 / hardware.ssd_write_bytes_per_s
+        self.adam = 1.0 / hardware.adam_elements_per_s
+        link = hardware.host_device_bytes_per_s
+        self.link = None if link is None else 1.0 / link
+
+    def ssd(self, reads: Linear, writes: Linear) -> Linear:
+        return reads * self.read + writes * self.write
+
+    def add_link(self, lanes: Dict[str, Linear], num_bytes: float) -> None:
+        if self.link is not None:
+            lanes["host link"] = Linear(num_bytes * self.link)
+
+
+def _update(params: int, workload: Workload, rates: _Rates) -> Tuple[Linear, Linear, Linear]:
+    """The engine's per-layer update, one after another in the worker: read states and gradient, Adam,
+    write states and the new weights. Returns (worker seconds, SSD bytes read, SSD bytes written)."""
+    reads = on_ssd("opt", (OPTIMIZER_BYTES_PER_PARAM + GRAD_BYTES_PER_PARAM) * params)
+    writes = on_ssd("opt", OPTIMIZER_BYTES_PER_PARAM * params) + on_ssd("param", workload.param_bytes * params)
+    seconds = reads * rates.read_one + Linear(params * rates.adam) + writes * rates.write
+    return seconds, reads, writes
+
+
+# ----------------------------------------------------------------------------- the engine as it is
+
+
+def engine_phases(workload: Workload, hardware: Hardware, deferred_layers: int, overlap: bool = True) -> List[Phase]:
+    layers, times, rates = workload.shape.layers, layer_times(workload, hardware), _Rates(hardware)
+    count, m = len(layers), workload.micro_batches
+    if not 0 <= deferred_layers <= count:
+        raise PlannerError(f"deferred_layers must be between 0 and {count} (the layers), got {deferred_layers}")
+    deferred = deferred_layers if overlap else count
+    updates = [_update(layer.params, workload, rates) for layer in layers]
+    param_read = [on_ssd("param", workload.param_bytes * layer.params) for layer in layers]
+    checkpoints = m * workload.checkpoint_bytes            # one layer's inputs, all micro-batches
+    phases: List[Phase] = []
+    for index in range(count - 1):
+        serial = Linear()
+        if index == 0 and overlap:
+            serial += updates[0][0]  # the first forward waits for layer 0's update, submitted last
+        prefetched = index > 0 and not (overlap and index < deferred)
+        if not prefetched:  # its prefetch was skipped (update pending) or had nothing to overlap
+            serial += param_read[index] * rates.read_one
+        spill = on_ssd("act", checkpoints)
+        lanes = {"compute": Linear(m * times[index].forward_s) + spill * rates.write}
+        reads, writes = Linear(), spill
+        following = index + 1
+        if not (overlap and following < deferred):
+            lanes["prefetch"] = param_read[following] * rates.read_one
+            reads += param_read[following]
+        if overlap and following < deferred:
+            lanes["optimizer worker"] = updates[following][0]
+            reads, writes = reads + updates[following][1], writes + updates[following][2]
+        lanes["SSD"] = rates.ssd(reads, writes)
+        rates.add_link(lanes, 2 * checkpoints + workload.param_bytes * layers[index].params)
+        phases.append(Phase(f"forward[{index}]", serial, lanes))
+    for index in range(count - 1, -1, -1):
+        params = layers[index].params
+        flush = on_ssd("opt", GRAD_BYTES_PER_PARAM * params)   # synchronous write of the accumulated gradient
+        spilled = on_ssd("act", checkpoints) if index > 0 else Linear()
+        lanes = {"compute": Linear(m * times[index].forward_backward_s) + flush * rates.write
+                 + spilled * rates.read_one}
+        reads, writes = spilled, flush
+        if index > 0:
+            lanes["prefetch"] = param_read[index - 1] * rates.read_one
+            reads += param_read[index - 1]
+        previous = index + 1  # updated during this layer's backward, after its own flush
+        if overlap and previous < count and previous >= deferred:
+            lanes["optimizer worker"] = updates[previous][0]
+            reads, writes = reads + updates[previous][1], writes + updates[previous][2]
+        lanes["SSD"] = rates.ssd(reads, writes)
+        rates.add_link(lanes, 2 * checkpoints + (workload.param_bytes + GRAD_BYTES_PER_PARAM) * params)
+        phases.append(Phase(f"backward[{index}]", Linear(), lanes))
+    if not overlap:
+        serial = Linear()
+        for seconds, _, _ in updates:
+            serial += seconds
+        phases.append(Phase("optimizer", serial, {}))
+    return phases
+
+
+# ----------------------------------------------------------------------------- the paper's vertical model
+
+
+def ideal_vertical_phases(workload: Workload, hardware: Hardware, alpha: float) -> List[Phase]:
+    """Section 4 of the design: per layer and phase, compute, CPU Adam, host link and SSD overlap fully.
+    The gradient goes to host memory (no SSD traffic); the alpha share of each layer's optimizer work
+    runs in the next forward, the rest in backward."""
+    if not 0.0 <= alpha <= 1.0:
+        raise PlannerError(f"alpha must be between 0 and 1, got {alpha}")
+    layers, times, rates = workload.shape.layers, layer_times(workload, hardware), _Rates(hardware)
+    count, m = len(layers), workload.micro_batches
+    checkpoints = m * workload.checkpoint_bytes
+    phases = []
+    for sweep, indices in (("forward", range(count - 1)), ("backward", range(count - 1, -1, -1))):
+        for index in indices:
+            params = layers[index].params
+            share = alpha if sweep == "forward" else 1.0 - alpha
+            optimizer_io = on_ssd("opt", OPTIMIZER_BYTES_PER_PARAM * params) * share
+            new_weights = on_ssd("param", workload.param_bytes * params) * share
+            reads = on_ssd("param", workload.param_bytes * params) + optimizer_io
+            writes = optimizer_io + new_weights
+            if sweep == "forward":
+                writes += on_ssd("act", checkpoints)
+                compute = m * times[index].forward_s
+                link = checkpoints + workload.param_bytes * params
+            else:
+                reads += on_ssd("act", checkpoints) if index > 0 else Linear()
+                compute = m * times[index].forward_backward_s
+                link = checkpoints + (workload.param_bytes + GRAD_BYTES_PER_PARAM) * params
+            lanes = {"compute": Linear(compute), "CPU Adam": Linear(share * params * rates.adam),
+                     "SSD": rates.ssd(reads, writes)}
+            rates.add_link(lanes, link)
+            phases.append(Phase(f"{sweep}[{index}]", Linear(), lanes))
+    return phases
+
+
+# ----------------------------------------------------------------------------- ZeRO-Infinity
+
+
+@dataclass
+class HorizontalSettings:
+    """What of ds_config's ZeRO-3 section changes ZeRO-Infinity's traffic."""
+    prefetch: bool = False         # stage3_prefetch_bucket_size > 0: reads overlap compute
+    reuse_recompute_fetch: bool = False  # stage3_max_reuse_distance > 0: backward reuses the recompute's fetch
+
+    @classmethod
+    def from_ds_config(cls, ds_config: dict) -> "HorizontalSettings":
+        zero = ds_config.get("zero_optimization") or {}
+        # DeepSpeed's defaults: prefetch bucket 5e7 elements, reuse distance 1e9.
+        return cls(prefetch=float(zero.get("stage3_prefetch_bucket_size", 5e7)) > 0,
+                   reuse_recompute_fetch=float(zero.get("stage3_max_reuse_distance", 1e9)) > 0)
+
+
+def horizontal_phases(workload: Workload, hardware: Hardware, settings: HorizontalSettings) -> List[Phase]:
+    """Per micro-batch, per layer: forward and backward, each reading the layer's swapped parameters
+    (a checkpointed block twice in backward, recompute and backward, unless the fetch is reused); reads
+    are serial with compute without prefetch. Then the optimizer step, after every micro-batch: per
+    layer, read states and gradient, Adam, write states, gradient and weights, as the swapper does."""
+    layers, times, rates = workload.shape.layers, layer_times(workload, hardware), _Rates(hardware)
+    m = workload.micro_batches
+    phases = []
+    for sweep in ("forward", "backward"):
+        for index in (range(len(layers)) if sweep == "forward" else range(len(layers) - 1, -1, -1)):
+            layer = layers[index]
+            fetches = 1
+            if sweep == "backward" and layer.checkpointed and not settings.reuse_recompute_fetch:
+                fetches = 2
+            reads = on_ssd("param", fetches * workload.param_bytes * layer.swapped_params)
+            time = times[index]
+            compute = time.forward_s if sweep == "forward" else (
+                time.forward_backward_s if layer.checkpointed else time.forward_backward_s - time.forward_s)
+            read_seconds = reads * (rates.read if settings.prefetch else rates.read_one)
+            if settings.prefetch:
+                serial, lanes = Linear(), {"compute": Linear(compute), "SSD": read_seconds}
+            else:
+                serial, lanes = read_seconds, {"compute": Linear(compute)}
+            link = fetches * workload.param_bytes * layer.params + workload.checkpoint_bytes
+            if sweep == "backward":
+                link += workload.param_bytes * layer.params  # the micro-batch's gradient, to host memory
+            rates.add_link(lanes, link)
+            phases.append(Phase(f"{sweep}[{index}]", serial, lanes, repeat=m))
+    for index, layer in enumerate(layers):
+        reads = on_ssd("opt", (OPTIMIZER_BYTES_PER_PARAM + GRAD_BYTES_PER_PARAM) * layer.params)
+        writes = (on_ssd("opt", (OPTIMIZER_BYTES_PER_PARAM + GRAD_BYTES_PER_PARAM) * layer.params)
+                  + on_ssd("param", workload.param_bytes * layer.params))
+        lanes = {"SSD read": reads * rates.read_one, "SSD write": writes * rates.write,
+                 "CPU Adam": Linear(layer.params * rates.adam)}
+        phases.append(Phase(f"optimizer[{index}]", Linear(), lanes))
+    return phases
