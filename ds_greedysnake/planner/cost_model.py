@@ -123,15 +123,16 @@ class Phase:
     serial: Linear
     lanes: Dict[str, Linear]
     repeat: int = 1   # the horizontal schedule runs the same phase once per micro-batch
+    serial_name: str = "serial"  # what the serial part is, named when it binds
 
     def seconds(self, shares: Dict[str, float]) -> Tuple[float, str]:
         """(seconds, the lane that binds); the serial part counts as its own resource when it dominates."""
         values = {name: lane.value(shares) for name, lane in self.lanes.items()}
-        binding = max(values, key=values.get) if values else "serial"
+        binding = max(values, key=values.get) if values else self.serial_name
         serial = self.serial.value(shares)
         slowest = values.get(binding, 0.0)
         if serial > slowest:
-            binding = "serial"
+            binding = self.serial_name
         return self.repeat * (serial + slowest), binding
 
 
@@ -222,7 +223,7 @@ def engine_phases(workload: Workload, hardware: Hardware, deferred_layers: int, 
             reads, writes = reads + updates[following][1], writes + updates[following][2]
         lanes["SSD"] = rates.ssd(reads, writes)
         rates.add_link(lanes, 2 * checkpoints + workload.param_bytes * layers[index].params)
-        phases.append(Phase(f"forward[{index}]", serial, lanes))
+        phases.append(Phase(f"forward[{index}]", serial, lanes, serial_name="fetch wait (update, read)"))
     for index in range(count - 1, -1, -1):
         params = layers[index].params
         flush = on_ssd("opt", GRAD_BYTES_PER_PARAM * params)   # synchronous write of the accumulated gradient
@@ -244,7 +245,7 @@ def engine_phases(workload: Workload, hardware: Hardware, deferred_layers: int, 
         serial = Linear()
         for seconds, _, _ in updates:
             serial += seconds
-        phases.append(Phase("optimizer", serial, {}))
+        phases.append(Phase("optimizer", serial, {}, serial_name="optimizer step (not overlapped)"))
     return phases
 
 
@@ -328,7 +329,7 @@ def horizontal_phases(workload: Workload, hardware: Hardware, settings: Horizont
             if sweep == "backward":
                 link += workload.param_bytes * layer.params  # the micro-batch's gradient, to host memory
             rates.add_link(lanes, link)
-            phases.append(Phase(f"{sweep}[{index}]", serial, lanes, repeat=m))
+            phases.append(Phase(f"{sweep}[{index}]", serial, lanes, repeat=m, serial_name="SSD read (no prefetch)"))
     for index, layer in enumerate(layers):
         reads = on_ssd("opt", (OPTIMIZER_BYTES_PER_PARAM + GRAD_BYTES_PER_PARAM) * layer.params)
         writes = (on_ssd("opt", (OPTIMIZER_BYTES_PER_PARAM + GRAD_BYTES_PER_PARAM) * layer.params)
