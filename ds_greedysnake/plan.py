@@ -11,7 +11,7 @@ import sys
 
 from .planner.errors import PlannerError
 from .planner.hardware import load_hardware, save_hardware
-from .planner.plan_config import PlanRequest, plan_for_config, workload_from_config
+from .planner.plan_config import PlanRequest, budget_bytes, plan_for_config, workload_from_config
 from .planner.search import GIB
 from .planner.shapes import named_shape, parse_layers
 
@@ -121,7 +121,6 @@ def main(argv=None) -> int:
     except PlannerError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    from .planner.plan_config import budget_bytes
     budget = budget_bytes(request)
     workload = plans[0].workload
     if args.json:

@@ -17,6 +17,7 @@ from .cost_model import (GRAD_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, SHARES
                          in_host)
 from .errors import PlannerError
 from .hardware import Hardware
+from ..schedule import default_deferred_layers
 
 GIB = 2**30
 MIB = 2**20
@@ -108,8 +109,11 @@ class Plan:
 
 
 def default_deferred_candidates(num_layers: int) -> List[int]:
+    """The engine's default first, so that a tie keeps it; then every layer count (every 1/16th of them
+    for deep models)."""
     step = max(1, num_layers // 16)
-    return sorted(set(range(0, num_layers + 1, step)) | {num_layers})
+    default = default_deferred_layers(num_layers)
+    return [default] + sorted((set(range(0, num_layers + 1, step)) | {num_layers}) - {default})
 
 
 def best_plan_for(workload: Workload, hardware: Hardware, budget_bytes: float, zero_settings: HorizontalSettings,
