@@ -31,8 +31,9 @@ def parse_args(argv=None):
 
 
 def predict_runs(report: dict, hardware_arg: str, nvme_path: str, save_hardware=None) -> list:
-    from ds_greedysnake.planner import (HorizontalSettings, engine_phases, evaluate, horizontal_phases,
-                                        load_hardware, parse_layers, save_hardware as save, workload_from_config)
+    from ds_greedysnake.planner import (EngineSettings, HorizontalSettings, engine_phases, evaluate,
+                                        horizontal_phases, load_hardware, parse_layers, save_hardware as save,
+                                        workload_from_config)
     from ds_greedysnake.schedule import default_deferred_layers
     rows, hardware_by_config = [], {}
     for run in report["runs"]:
@@ -59,11 +60,13 @@ def predict_runs(report: dict, hardware_arg: str, nvme_path: str, save_hardware=
                 hardware_by_config[run["config"]] = hardware
         hardware = hardware_by_config[run["config"]]
         if run["engine"] == "greedysnake":
-            block = ds_config.get("greedysnake") or {}
-            deferred = block.get("deferred_layers")
-            if deferred is None:
+            settings = EngineSettings.from_ds_config(ds_config)
+            deferred = (ds_config.get("greedysnake") or {}).get("deferred_layers")
+            if settings.clipping:
+                deferred = len(shape.layers)  # as the engine does
+            elif deferred is None:
                 deferred = default_deferred_layers(len(shape.layers))
-            phases = engine_phases(workload, hardware, deferred, block.get("optimizer_overlap", True))
+            phases = engine_phases(workload, hardware, deferred, settings.overlap)
         else:
             phases = horizontal_phases(workload, hardware, HorizontalSettings.from_ds_config(ds_config))
         # The benchmark's checkpoints all fit the engine's default host budget: nothing spills.

@@ -194,6 +194,20 @@ def _update(params: int, workload: Workload, rates: _Rates) -> Tuple[Linear, Lin
 # ----------------------------------------------------------------------------- the engine as it is
 
 
+@dataclass
+class EngineSettings:
+    """What of ds_config changes the engine's schedule."""
+    overlap: bool = True     # greedysnake.optimizer_overlap
+    clipping: bool = False   # gradient_clipping > 0: every update waits for the global norm (deferred)
+
+    @classmethod
+    def from_ds_config(cls, ds_config: dict) -> "EngineSettings":
+        block = ds_config.get("greedysnake") or {}
+        # DeepSpeed 0.19.8 clips at 1.0 when gradient_clipping is absent (design doc, section 7).
+        return cls(overlap=bool(block.get("optimizer_overlap", True)),
+                   clipping=float(ds_config.get("gradient_clipping", 1.0) or 0.0) > 0)
+
+
 def engine_phases(workload: Workload, hardware: Hardware, deferred_layers: int, overlap: bool = True) -> List[Phase]:
     layers, times, rates = workload.shape.layers, layer_times(workload, hardware), _Rates(hardware)
     count, m = len(layers), workload.micro_batches
@@ -240,7 +254,9 @@ def engine_phases(workload: Workload, hardware: Hardware, deferred_layers: int, 
             reads, writes = reads + updates[previous][1], writes + updates[previous][2]
         lanes["SSD"] = rates.ssd(reads, writes)
         rates.add_link(lanes, 2 * checkpoints + (workload.param_bytes + GRAD_BYTES_PER_PARAM) * params)
-        phases.append(Phase(f"backward[{index}]", Linear(), lanes))
+        # The last layer's prefetch was skipped if its update was deferred: read it now, serially.
+        waits = param_read[index] * rates.read_one if index == count - 1 and overlap and index < deferred else Linear()
+        phases.append(Phase(f"backward[{index}]", waits, lanes, serial_name="fetch wait (update, read)"))
     if not overlap:
         serial = Linear()
         for seconds, _, _ in updates:

@@ -2,7 +2,7 @@
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
-from .cost_model import HorizontalSettings, Workload
+from .cost_model import EngineSettings, HorizontalSettings, Workload
 from .errors import PlannerError
 from .hardware import Hardware
 from .search import GIB, Plan, search
@@ -48,4 +48,5 @@ def plan_for_config(ds_config: dict, request: PlanRequest) -> List[Plan]:
     if any(m < 1 for m in candidates):
         raise PlannerError(f"micro-batch counts must be at least 1, got {sorted(candidates)}")
     return search(workload, request.hardware, budget_bytes(request), HorizontalSettings.from_ds_config(ds_config),
-                  candidates, engine=not request.ideal, modelled_shares=request.modelled_shares)
+                  candidates, engine=not request.ideal, modelled_shares=request.modelled_shares,
+                  settings=EngineSettings.from_ds_config(ds_config))

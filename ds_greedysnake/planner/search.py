@@ -12,7 +12,8 @@ from typing import Dict, Iterable, List, Optional, Sequence
 import numpy
 from scipy.optimize import linprog
 
-from .cost_model import (GRAD_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, SHARES, HorizontalSettings, Linear, Phase,
+from .cost_model import (GRAD_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, SHARES, EngineSettings, HorizontalSettings,
+                         Linear, Phase,
                          StepPrediction, Workload, engine_phases, evaluate, horizontal_phases, ideal_vertical_phases,
                          in_host)
 from .errors import PlannerError
@@ -118,20 +119,22 @@ def default_deferred_candidates(num_layers: int) -> List[int]:
 
 def best_plan_for(workload: Workload, hardware: Hardware, budget_bytes: float, zero_settings: HorizontalSettings,
                   engine: bool = True, modelled_shares: bool = False,
-                  splits: Optional[Iterable] = None, overlap: bool = True) -> Plan:
+                  splits: Optional[Iterable] = None, settings: EngineSettings = EngineSettings()) -> Plan:
     """The best split and placement for one M. ``engine``: the engine as it is (split in layers),
     else the paper's ideal model (split alpha). ``modelled_shares``: let parameters and optimizer
     states live in host memory too (modelled, not implemented by the engine)."""
     memory = host_bytes(workload)
     free = SHARES if modelled_shares else ENGINE_SHARES
     layers = len(workload.shape.layers)
-    if engine:
+    if engine and settings.clipping:
+        candidates = [layers]  # the engine defers every update while clipping is on
+    elif engine:
         candidates = list(splits) if splits is not None else default_deferred_candidates(layers)
     else:
         candidates = list(splits) if splits is not None else [i / 8 for i in range(9)]
     best = None
     for split in candidates:
-        phases = (engine_phases(workload, hardware, split, overlap) if engine
+        phases = (engine_phases(workload, hardware, split, settings.overlap) if engine
                   else ideal_vertical_phases(workload, hardware, split))
         shares = solve_placement(phases, memory, budget_bytes, free)
         shares = _fill_host(shares, memory, budget_bytes, free)
@@ -160,13 +163,14 @@ def _fill_host(shares: Dict[str, float], memory: Linear, budget_bytes: float, fr
 
 def search(workload: Workload, hardware: Hardware, budget_bytes: float, zero_settings: HorizontalSettings,
            micro_batch_candidates: Sequence[int], engine: bool = True, modelled_shares: bool = False,
-           knee: float = 0.95) -> List[Plan]:
+           knee: float = 0.95, settings: EngineSettings = EngineSettings()) -> List[Plan]:
     """A plan per M; the recommended one (first in the list) is the smallest M within ``knee`` of the
     best tokens/s: more micro-batches only add memory and latency past the saturation knee."""
     plans = []
     for m in sorted(set(micro_batch_candidates)):
         sized = Workload(workload.shape, workload.micro_batch_size, m, workload.param_bytes, workload.activation_bytes)
-        plans.append(best_plan_for(sized, hardware, budget_bytes, zero_settings, engine, modelled_shares))
+        plans.append(best_plan_for(sized, hardware, budget_bytes, zero_settings, engine, modelled_shares,
+                                   settings=settings))
     best_rate = max(plan.prediction.tokens_per_second for plan in plans)
     chosen = next(plan for plan in plans if plan.prediction.tokens_per_second >= knee * best_rate)
     return [chosen] + [plan for plan in plans if plan is not chosen]

@@ -161,3 +161,21 @@ def test_bad_workload_values():
         engine_phases(Workload(named_shape("gpt-small"), 1, 1), machine(), 7)
     with pytest.raises(PlannerError, match="multiple of heads"):
         GPTShape("bad", num_blocks=1, hidden=100, heads=3, vocab=10, seq_len=4)
+
+
+def test_clipping_defers_every_update():
+    """With clipping on (DeepSpeed 0.19.8's default when the key is absent) the engine defers every layer:
+    the plan says so, and the head's fetch in backward reads serially after its update."""
+    from ds_greedysnake.planner.cost_model import EngineSettings
+    assert EngineSettings.from_ds_config({}).clipping
+    assert not EngineSettings.from_ds_config({"gradient_clipping": 0.0}).clipping
+    assert not EngineSettings.from_ds_config({"greedysnake": {"optimizer_overlap": False}}).overlap
+    workload = Workload(named_shape("gpt-small"), 4, 4)
+    layers = len(workload.shape.layers)
+    plan = best_plan_for(workload, machine(), 64 * 2**30, HorizontalSettings(), settings=EngineSettings(clipping=True))
+    assert plan.deferred_layers == layers
+    phases = engine_phases(workload, machine(), layers)
+    head = next(phase for phase in phases if phase.name == f"backward[{layers - 1}]")
+    assert head.serial.value({}) == pytest.approx(4 * workload.shape.layers[-1].params / (500 * MIB))
+    prefetched = next(phase for phase in engine_phases(workload, machine(), 1) if phase.name == head.name)
+    assert prefetched.serial.value({}) == 0
