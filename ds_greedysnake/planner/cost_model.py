@@ -208,61 +208,81 @@ class EngineSettings:
                    clipping=float(ds_config.get("gradient_clipping", 1.0) or 0.0) > 0)
 
 
+class _EngineTerms:
+    """Per-layer quantities of one workload on one machine, shared by the engine's phases."""
+
+    def __init__(self, workload: Workload, hardware: Hardware, deferred: int, overlap: bool):
+        self.workload, self.layers = workload, workload.shape.layers
+        self.times, self.rates = layer_times(workload, hardware), _Rates(hardware)
+        self.count, self.m = len(self.layers), workload.micro_batches
+        self.deferred, self.overlap = deferred, overlap
+        self.updates = [_update(layer.params, workload, self.rates) for layer in self.layers]
+        self.param_read = [on_ssd("param", workload.param_bytes * layer.params) for layer in self.layers]
+        self.checkpoints = self.m * workload.checkpoint_bytes   # one layer's inputs, all micro-batches
+
+    def update_in_forward(self, index: int) -> bool:
+        """Layer ``index`` is updated after the step's decision, into the next forward."""
+        return self.overlap and index < self.deferred
+
+
 def engine_phases(workload: Workload, hardware: Hardware, deferred_layers: int, overlap: bool = True) -> List[Phase]:
-    layers, times, rates = workload.shape.layers, layer_times(workload, hardware), _Rates(hardware)
-    count, m = len(layers), workload.micro_batches
+    count = len(workload.shape.layers)
     if not 0 <= deferred_layers <= count:
         raise PlannerError(f"deferred_layers must be between 0 and {count} (the layers), got {deferred_layers}")
-    deferred = deferred_layers if overlap else count
-    updates = [_update(layer.params, workload, rates) for layer in layers]
-    param_read = [on_ssd("param", workload.param_bytes * layer.params) for layer in layers]
-    checkpoints = m * workload.checkpoint_bytes            # one layer's inputs, all micro-batches
-    phases: List[Phase] = []
-    for index in range(count - 1):
-        serial = Linear()
-        if index == 0 and overlap:
-            serial += updates[0][0]  # the first forward waits for layer 0's update, submitted last
-        prefetched = index > 0 and not (overlap and index < deferred)
-        if not prefetched:  # its prefetch was skipped (update pending) or had nothing to overlap
-            serial += param_read[index] * rates.read_one
-        spill = on_ssd("act", checkpoints)
-        lanes = {"compute": Linear(m * times[index].forward_s) + spill * rates.write}
-        reads, writes = Linear(), spill
-        following = index + 1
-        if not (overlap and following < deferred):
-            lanes["prefetch"] = param_read[following] * rates.read_one
-            reads += param_read[following]
-        if overlap and following < deferred:
-            lanes["optimizer worker"] = updates[following][0]
-            reads, writes = reads + updates[following][1], writes + updates[following][2]
-        lanes["SSD"] = rates.ssd(reads, writes)
-        rates.add_link(lanes, 2 * checkpoints + workload.param_bytes * layers[index].params)
-        phases.append(Phase(f"forward[{index}]", serial, lanes, serial_name="fetch wait (update, read)"))
-    for index in range(count - 1, -1, -1):
-        params = layers[index].params
-        flush = on_ssd("opt", GRAD_BYTES_PER_PARAM * params)   # synchronous write of the accumulated gradient
-        spilled = on_ssd("act", checkpoints) if index > 0 else Linear()
-        lanes = {"compute": Linear(m * times[index].forward_backward_s) + flush * rates.write
-                 + spilled * rates.read_one}
-        reads, writes = spilled, flush
-        if index > 0:
-            lanes["prefetch"] = param_read[index - 1] * rates.read_one
-            reads += param_read[index - 1]
-        previous = index + 1  # updated during this layer's backward, after its own flush
-        if overlap and previous < count and previous >= deferred:
-            lanes["optimizer worker"] = updates[previous][0]
-            reads, writes = reads + updates[previous][1], writes + updates[previous][2]
-        lanes["SSD"] = rates.ssd(reads, writes)
-        rates.add_link(lanes, 2 * checkpoints + (workload.param_bytes + GRAD_BYTES_PER_PARAM) * params)
-        # The last layer's prefetch was skipped if its update was deferred: read it now, serially.
-        waits = param_read[index] * rates.read_one if index == count - 1 and overlap and index < deferred else Linear()
-        phases.append(Phase(f"backward[{index}]", waits, lanes, serial_name="fetch wait (update, read)"))
+    terms = _EngineTerms(workload, hardware, deferred_layers if overlap else count, overlap)
+    phases = [_engine_forward(terms, index) for index in range(count - 1)]
+    phases += [_engine_backward(terms, index) for index in range(count - 1, -1, -1)]
     if not overlap:
         serial = Linear()
-        for seconds, _, _ in updates:
+        for seconds, _, _ in terms.updates:
             serial += seconds
         phases.append(Phase("optimizer", serial, {}, serial_name="optimizer step (not overlapped)"))
     return phases
+
+
+def _engine_forward(terms: _EngineTerms, index: int) -> Phase:
+    rates, following = terms.rates, index + 1
+    serial = Linear()
+    if index == 0 and terms.overlap:
+        serial += terms.updates[0][0]  # the first forward waits for layer 0's update, submitted last
+    if index == 0 or terms.update_in_forward(index):
+        # Its prefetch had nothing to overlap (layer 0) or was skipped while its update ran.
+        serial += terms.param_read[index] * rates.read_one
+    spill = on_ssd("act", terms.checkpoints)
+    lanes = {"compute": Linear(terms.m * terms.times[index].forward_s) + spill * rates.write}
+    reads, writes = Linear(), spill
+    if terms.update_in_forward(following):  # its update runs now; its read waits for it
+        lanes["optimizer worker"] = terms.updates[following][0]
+        reads, writes = reads + terms.updates[following][1], writes + terms.updates[following][2]
+    else:
+        lanes["prefetch"] = terms.param_read[following] * rates.read_one
+        reads += terms.param_read[following]
+    lanes["SSD"] = rates.ssd(reads, writes)
+    rates.add_link(lanes, 2 * terms.checkpoints + terms.workload.param_bytes * terms.layers[index].params)
+    return Phase(f"forward[{index}]", serial, lanes, serial_name="fetch wait (update, read)")
+
+
+def _engine_backward(terms: _EngineTerms, index: int) -> Phase:
+    rates, params = terms.rates, terms.layers[index].params
+    flush = on_ssd("opt", GRAD_BYTES_PER_PARAM * params)   # synchronous write of the accumulated gradient
+    spilled = on_ssd("act", terms.checkpoints) if index > 0 else Linear()
+    lanes = {"compute": Linear(terms.m * terms.times[index].forward_backward_s) + flush * rates.write
+             + spilled * rates.read_one}
+    reads, writes = spilled, flush
+    if index > 0:
+        lanes["prefetch"] = terms.param_read[index - 1] * rates.read_one
+        reads += terms.param_read[index - 1]
+    previous = index + 1  # updated during this layer's backward, after its own flush
+    if terms.overlap and previous < terms.count and not terms.update_in_forward(previous):
+        lanes["optimizer worker"] = terms.updates[previous][0]
+        reads, writes = reads + terms.updates[previous][1], writes + terms.updates[previous][2]
+    lanes["SSD"] = rates.ssd(reads, writes)
+    rates.add_link(lanes, 2 * terms.checkpoints + (terms.workload.param_bytes + GRAD_BYTES_PER_PARAM) * params)
+    # The last layer's prefetch was skipped if its update was deferred: it is read now, serially.
+    waits = Linear()
+    if index == terms.count - 1 and terms.update_in_forward(index):
+        waits = terms.param_read[index] * rates.read_one
+    return Phase(f"backward[{index}]", waits, lanes, serial_name="fetch wait (update, read)")
 
 
 # ----------------------------------------------------------------------------- the paper's vertical model
