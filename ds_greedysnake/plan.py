@@ -5,6 +5,7 @@
     python -m ds_greedysnake.plan --config ds_config.json --layers blocks=2,hidden=1024,heads=8,vocab=2048,seq_len=32 --json
 """
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -36,10 +37,30 @@ def parse_args(argv=None):
                         help="let parameters and optimizer states sit in host memory (modelled, not implemented)")
     parser.add_argument("--ideal", action="store_true",
                         help="the paper's model (alpha split, every transfer overlapped) instead of the engine as it is")
+    parser.add_argument("--zero-no-recompute", action="store_true",
+                        help="the ZeRO-Infinity baseline runs without activation checkpointing "
+                             "(as scripts/train.py --baseline does; scripts/ab_bench.py checkpoints)")
     parser.add_argument("--nvme-path", default=None, help="folder the probe measures (default: the config's nvme_path)")
     parser.add_argument("--save-hardware", default=None, help="write the probed hardware to this JSON file")
     parser.add_argument("--json", action="store_true", help="print JSON for machines")
     return parser.parse_args(argv)
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr_if(enabled: bool):
+    """Point file descriptor 1 at stderr for a while (Python loggers and native code alike)."""
+    if not enabled:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _load_config(path: str) -> dict:
@@ -114,10 +135,12 @@ def main(argv=None) -> int:
     try:
         ds_config = _load_config(args.config)
         shape = parse_layers(args.layers) if args.layers else named_shape(args.model or "gpt-small")
-        hardware = _hardware(args, ds_config, shape)
+        with _stdout_to_stderr_if(args.json):
+            hardware = _hardware(args, ds_config, shape)
         request = PlanRequest(shape, hardware, None if args.host_memory is None else args.host_memory * GIB,
-                              args.micro_batches, args.modelled_placements, args.ideal)
-        plans = plan_for_config(ds_config, request)
+                              args.micro_batches, args.modelled_placements, args.ideal, not args.zero_no_recompute)
+        with _stdout_to_stderr_if(args.json):  # DeepSpeed logs to stdout; --json output must stay clean
+            plans = plan_for_config(ds_config, request)
     except PlannerError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

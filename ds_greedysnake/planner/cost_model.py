@@ -329,13 +329,14 @@ class HorizontalSettings:
     """What of ds_config's ZeRO-3 section changes ZeRO-Infinity's traffic."""
     prefetch: bool = False         # stage3_prefetch_bucket_size > 0: reads overlap compute
     reuse_recompute_fetch: bool = False  # stage3_max_reuse_distance > 0: backward reuses the recompute's fetch
+    recompute: bool = True         # blocks wrapped in activation checkpointing (a fair baseline; the A/B does)
 
     @classmethod
-    def from_ds_config(cls, ds_config: dict) -> "HorizontalSettings":
+    def from_ds_config(cls, ds_config: dict, recompute: bool = True) -> "HorizontalSettings":
         zero = ds_config.get("zero_optimization") or {}
         # DeepSpeed's defaults: prefetch bucket 5e7 elements, reuse distance 1e9.
         return cls(prefetch=float(zero.get("stage3_prefetch_bucket_size", 5e7)) > 0,
-                   reuse_recompute_fetch=float(zero.get("stage3_max_reuse_distance", 1e9)) > 0)
+                   reuse_recompute_fetch=float(zero.get("stage3_max_reuse_distance", 1e9)) > 0, recompute=recompute)
 
 
 def horizontal_phases(workload: Workload, hardware: Hardware, settings: HorizontalSettings) -> List[Phase]:
@@ -349,13 +350,14 @@ def horizontal_phases(workload: Workload, hardware: Hardware, settings: Horizont
     for sweep in ("forward", "backward"):
         for index in (range(len(layers)) if sweep == "forward" else range(len(layers) - 1, -1, -1)):
             layer = layers[index]
+            checkpointed = layer.checkpointed and settings.recompute
             fetches = 1
-            if sweep == "backward" and layer.checkpointed and not settings.reuse_recompute_fetch:
+            if sweep == "backward" and checkpointed and not settings.reuse_recompute_fetch:
                 fetches = 2
             reads = on_ssd("param", fetches * workload.param_bytes * layer.swapped_params)
             time = times[index]
             compute = time.forward_s if sweep == "forward" else (
-                time.forward_backward_s if layer.checkpointed else time.forward_backward_s - time.forward_s)
+                time.forward_backward_s if checkpointed else time.forward_backward_s - time.forward_s)
             read_seconds = reads * (rates.read if settings.prefetch else rates.read_one)
             if settings.prefetch:
                 serial, lanes = Linear(), {"compute": Linear(compute), "SSD": read_seconds}

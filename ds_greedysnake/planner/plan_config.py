@@ -19,6 +19,7 @@ class PlanRequest:
     micro_batches: Optional[Sequence[int]] = None  # None: powers of two up to 64 and the config's M
     modelled_shares: bool = False                  # let parameters / optimizer states sit in host memory
     ideal: bool = False                            # the paper's model instead of the engine as it is
+    zero_recompute: bool = True                    # the ZeRO-Infinity baseline uses activation checkpointing
 
 
 def workload_from_config(ds_config: dict, shape: GPTShape, micro_batches: Optional[int] = None) -> Workload:
@@ -47,6 +48,7 @@ def plan_for_config(ds_config: dict, request: PlanRequest) -> List[Plan]:
         candidates.append(workload.micro_batches)
     if any(m < 1 for m in candidates):
         raise PlannerError(f"micro-batch counts must be at least 1, got {sorted(candidates)}")
-    return search(workload, request.hardware, budget_bytes(request), HorizontalSettings.from_ds_config(ds_config),
+    zero_settings = HorizontalSettings.from_ds_config(ds_config, recompute=request.zero_recompute)
+    return search(workload, request.hardware, budget_bytes(request), zero_settings,
                   candidates, engine=not request.ideal, modelled_shares=request.modelled_shares,
                   settings=EngineSettings.from_ds_config(ds_config))

@@ -179,3 +179,16 @@ def test_clipping_defers_every_update():
     assert head.serial.value({}) == pytest.approx(4 * workload.shape.layers[-1].params / (500 * MIB))
     prefetched = next(phase for phase in engine_phases(workload, machine(), 1) if phase.name == head.name)
     assert prefetched.serial.value({}) == 0
+
+
+def test_zero_infinity_without_recompute_reads_blocks_twice():
+    hardware = machine(device_flops_per_s=1e15)
+    shape = named_shape("ab-ssd-bound")
+    per_step = {}
+    for recompute in (True, False):
+        settings = HorizontalSettings(recompute=recompute)
+        times = [evaluate("zi", horizontal_phases(Workload(shape, 1, m), hardware, settings), Workload(shape, 1, m),
+                          {}).seconds for m in (1, 2)]
+        per_step[recompute] = times[1] - times[0]
+    blocks = sum(4 * layer.swapped_params for layer in shape.layers if layer.checkpointed)
+    assert per_step[True] - per_step[False] == pytest.approx(blocks / (500 * MIB), rel=0.01)
