@@ -63,8 +63,8 @@ class GreedySnakeConfig(DeepSpeedConfigModel):
     ds_greedysnake.initialize sets up torch.distributed; DeepSpeed's own default is 30 minutes)."""
 
     auto: bool = False
-    """Plan at initialize (ds_greedysnake.planner, docs/planner.md): choose ``deferred_layers`` and
-    ``activation_host_memory_mb`` unless set here, and M (gradient_accumulation_steps) when ds_config
+    """Plan at initialize (ds_greedysnake.planner, docs/planner.md): choose ``deferred_layers``,
+    ``activation_host_memory_mb`` and ``gradient_host_memory_mb`` unless set here, and M (gradient_accumulation_steps) when ds_config
     fixes no batch size and one rank runs; the choices are logged. Built-in GPT models only."""
 
     plan_hardware: Optional[str] = None

@@ -94,9 +94,10 @@ def _describe(plans, hardware, shape, workload, budget, request) -> str:
     lines = [
         f"model {shape.name}: {shape.params / 1e6:.1f}M parameters, {len(shape.layers)} layers as the engine splits "
         f"it, micro-batch {workload.micro_batch_size} x {shape.seq_len} tokens, {8 * workload.param_bytes}-bit",
-        f"hardware {hardware.name} ({hardware.source}): SSD read {hardware.ssd_read_bytes_per_s / MIB:.0f} MiB/s "
-        f"({hardware.single_read_rate / MIB:.0f} with one read in flight), write {hardware.ssd_write_bytes_per_s / MIB:.0f}"
-        f" MiB/s; CPU Adam {hardware.adam_elements_per_s / 1e6:.0f} M elements/s; device "
+        f"hardware {hardware.name} ({hardware.source}): SSD read {hardware.ssd_read_bytes_per_s / MIB:.0f} MiB/s, "
+        f"write {hardware.ssd_write_bytes_per_s / MIB:.0f} MiB/s (one op per transfer: "
+        f"{hardware.ssd_read_bytes_per_s_single / MIB:.0f} and {hardware.ssd_write_bytes_per_s_single / MIB:.0f});"
+        f" CPU Adam {hardware.adam_elements_per_s / 1e6:.0f} M elements/s; device "
         f"{hardware.device_flops_per_s / 1e9:.1f} GFLOP/s; host link "
         + ("none (the device is the host)" if hardware.host_device_bytes_per_s is None
            else f"{hardware.host_device_bytes_per_s / 1e9:.1f} GB/s"),

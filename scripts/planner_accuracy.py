@@ -69,8 +69,11 @@ def predict_runs(report: dict, hardware_arg: str, nvme_path: str, save_hardware=
             phases = engine_phases(workload, hardware, deferred, settings.overlap)
         else:
             phases = horizontal_phases(workload, hardware, HorizontalSettings.from_ds_config(ds_config))
-        # The benchmark's checkpoints all fit the engine's default host budget: nothing spills.
-        prediction = evaluate(run["engine"], phases, workload, {"act": 1.0})
+        # The host shares the run's config gives (checkpoint and gradient budgets, engine defaults).
+        block = ds_config.get("greedysnake") or {}
+        shares = EngineSettings.from_ds_config(ds_config).shares(
+            workload, float(block.get("activation_host_memory_mb", 4096)) * 2**20)
+        prediction = evaluate(run["engine"], phases, workload, shares if run["engine"] == "greedysnake" else {})
         measured = run["step_seconds_median"]
         rows.append({"config": run["config"], "micro_batches": run["micro_batches"], "engine": run["engine"],
                      "measured_seconds": measured, "predicted_seconds": prediction.seconds,

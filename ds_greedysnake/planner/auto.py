@@ -1,7 +1,7 @@
 """``"greedysnake": {"enabled": true, "auto": true}``: plan at initialize and apply what the engine supports.
 
-The plan sets ``deferred_layers`` and ``activation_host_memory_mb`` (unless the block sets them
-itself), and M (``gradient_accumulation_steps``) only when ds_config fixes no batch size and one rank
+The plan sets ``deferred_layers``, ``activation_host_memory_mb`` and ``gradient_host_memory_mb``
+(unless the block sets them itself), and M (``gradient_accumulation_steps``) only when ds_config fixes no batch size and one rank
 runs: M is the global batch, a training decision, and every rank must agree on it. Parameters and
 optimizer states stay on SSD (the engine has no host-resident placement for them yet).
 """
@@ -59,7 +59,7 @@ def auto_plan(ds_config: Dict, modules: List[nn.Module], nvme_path: str) -> Tupl
     lines = [f"planned with {hardware.name}: predicted {plan.prediction.seconds:.3f} s/step, "
              f"{plan.prediction.tokens_per_second:.1f} tokens/s (binds: {plan.prediction.binding}); "
              f"ZeRO-Infinity predicted {plan.zero_infinity.seconds:.3f} s/step"]
-    for key in ("deferred_layers", "activation_host_memory_mb"):
+    for key in ("deferred_layers", "activation_host_memory_mb", "gradient_host_memory_mb"):
         if key in block:
             lines.append(f"{key} = {block[key]} (set in the block; the plan's {chosen[key]} not applied)")
         else:

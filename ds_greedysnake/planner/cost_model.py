@@ -7,15 +7,16 @@ link, a prefetch stream), and a *serial* part that overlaps nothing (a fetch tha
 time is ``serial + max(lanes)``; a step is the sum over phases (design doc, section 4).
 
 Every time is a ``Linear`` expression in the placement shares, the fractions kept in host memory
-instead of on SSD: ``act`` (layer-input checkpoints), ``param`` (low-precision parameters) and
-``opt`` (fp32 master, Adam moments and the fp32 gradient). ``search.py`` minimises the sum over
-those shares with a linear programme; ``evaluate`` plugs fixed shares in.
+instead of on SSD: ``act`` (layer-input checkpoints), ``param`` (low-precision parameters),
+``opt`` (fp32 master and Adam moments) and ``grad`` (the fp32 gradient handed to the update).
+``search.py`` minimises the sum over those shares with a linear programme; ``evaluate`` plugs fixed
+shares in.
 
 Three schedules:
 * ``engine_phases``: what ds_greedysnake's engine does today (section "The engine, as modelled" in
-  docs/planner.md): the optimizer worker reads, steps and writes one layer at a time, in order; the
-  gradient flush is a synchronous write; the front ``deferred_layers`` updates run after the step's
-  decision and the next forward waits for each before reading that layer.
+  docs/planner.md): the optimizer worker reads, steps and writes one layer at a time, in order; a
+  gradient not kept in host memory is written synchronously; the front ``deferred_layers`` updates
+  run after the step's decision and the next forward waits for each before reading that layer.
 * ``ideal_vertical_phases``: the paper's model: per layer, an alpha share of the optimizer work in
   forward and the rest in backward, every transfer overlapped.
 * ``horizontal_phases``: ZeRO-Infinity: per micro-batch, every layer's swapped parameters read again
@@ -28,7 +29,7 @@ from .errors import PlannerError
 from .hardware import Hardware, LayerTimes
 from .shapes import GPTShape
 
-SHARES = ("act", "param", "opt")
+SHARES = ("act", "param", "opt", "grad")
 OPTIMIZER_BYTES_PER_PARAM = 12   # fp32 master, exp_avg, exp_avg_sq
 GRAD_BYTES_PER_PARAM = 4         # the fp32 gradient accumulated over the step
 
@@ -167,9 +168,10 @@ def evaluate(engine: str, phases: List[Phase], workload: Workload, shares: Dict[
 
 class _Rates:
     def __init__(self, hardware: Hardware):
-        self.read = 1.0 / hardware.ssd_read_bytes_per_s             # aggregate, several streams
-        self.read_one = 1.0 / hardware.single_read_rate             # one stream, one read in flight
+        self.read = 1.0 / hardware.ssd_read_bytes_per_s             # deep queue (the engine's chunks)
         self.write = 1.0 / hardware.ssd_write_bytes_per_s
+        self.read_one = 1.0 / hardware.ssd_read_bytes_per_s_single  # one op per transfer (ZeRO-3's swapper)
+        self.write_one = 1.0 / hardware.ssd_write_bytes_per_s_single
         self.adam = 1.0 / hardware.adam_elements_per_s
         link = hardware.host_device_bytes_per_s
         self.link = None if link is None else 1.0 / link
@@ -183,11 +185,12 @@ class _Rates:
 
 
 def _update(params: int, workload: Workload, rates: _Rates) -> Tuple[Linear, Linear, Linear]:
-    """The engine's per-layer update, one after another in the worker: read states and gradient, Adam,
-    write states and the new weights. Returns (worker seconds, SSD bytes read, SSD bytes written)."""
-    reads = on_ssd("opt", (OPTIMIZER_BYTES_PER_PARAM + GRAD_BYTES_PER_PARAM) * params)
+    """The engine's per-layer update, one after another in the worker: read states and gradient
+    together, Adam, write states and the new weights together. Returns (worker seconds, SSD bytes
+    read, SSD bytes written)."""
+    reads = on_ssd("opt", OPTIMIZER_BYTES_PER_PARAM * params) + on_ssd("grad", GRAD_BYTES_PER_PARAM * params)
     writes = on_ssd("opt", OPTIMIZER_BYTES_PER_PARAM * params) + on_ssd("param", workload.param_bytes * params)
-    seconds = reads * rates.read_one + Linear(params * rates.adam) + writes * rates.write
+    seconds = reads * rates.read + Linear(params * rates.adam) + writes * rates.write
     return seconds, reads, writes
 
 
@@ -199,13 +202,27 @@ class EngineSettings:
     """What of ds_config changes the engine's schedule."""
     overlap: bool = True     # greedysnake.optimizer_overlap
     clipping: bool = False   # gradient_clipping > 0: every update waits for the global norm (deferred)
+    gradient_host_bytes: float = 1024 * 2**20  # greedysnake.gradient_host_memory_mb (the engine's default)
 
     @classmethod
     def from_ds_config(cls, ds_config: dict) -> "EngineSettings":
         block = ds_config.get("greedysnake") or {}
         # DeepSpeed 0.19.8 clips at 1.0 when gradient_clipping is absent (design doc, section 7).
         return cls(overlap=bool(block.get("optimizer_overlap", True)),
-                   clipping=float(ds_config.get("gradient_clipping", 1.0) or 0.0) > 0)
+                   clipping=float(ds_config.get("gradient_clipping", 1.0) or 0.0) > 0,
+                   gradient_host_bytes=float(block.get("gradient_host_memory_mb", 1024)) * 2**20)
+
+    def shares(self, workload: Workload, checkpoint_host_bytes: float) -> Dict[str, float]:
+        """The host shares this configuration gives: gradient slots from the last layer down while they
+        fit (as the engine's arena assigns them), checkpoints up to their budget."""
+        held, total = 0.0, 0.0
+        for layer in reversed(workload.shape.layers):
+            slot = -(-GRAD_BYTES_PER_PARAM * layer.params // 4096) * 4096
+            if held + slot <= self.gradient_host_bytes and held == total:
+                held += slot
+            total += slot
+        checkpoints = workload.micro_batches * (len(workload.shape.layers) - 1) * workload.checkpoint_bytes
+        return {"grad": held / total, "act": min(1.0, checkpoint_host_bytes / checkpoints), "param": 0.0, "opt": 0.0}
 
 
 class _EngineTerms:
@@ -247,7 +264,7 @@ def _engine_forward(terms: _EngineTerms, index: int) -> Phase:
         serial += terms.updates[0][0]  # the first forward waits for layer 0's update, submitted last
     if index == 0 or terms.update_in_forward(index):
         # Its prefetch had nothing to overlap (layer 0) or was skipped while its update ran.
-        serial += terms.param_read[index] * rates.read_one
+        serial += terms.param_read[index] * rates.read
     spill = on_ssd("act", terms.checkpoints)
     lanes = {"compute": Linear(terms.m * terms.times[index].forward_s) + spill * rates.write}
     reads, writes = Linear(), spill
@@ -255,7 +272,7 @@ def _engine_forward(terms: _EngineTerms, index: int) -> Phase:
         lanes["optimizer worker"] = terms.updates[following][0]
         reads, writes = reads + terms.updates[following][1], writes + terms.updates[following][2]
     else:
-        lanes["prefetch"] = terms.param_read[following] * rates.read_one
+        lanes["prefetch"] = terms.param_read[following] * rates.read
         reads += terms.param_read[following]
     lanes["SSD"] = rates.ssd(reads, writes)
     rates.add_link(lanes, 2 * terms.checkpoints + terms.workload.param_bytes * terms.layers[index].params)
@@ -264,13 +281,13 @@ def _engine_forward(terms: _EngineTerms, index: int) -> Phase:
 
 def _engine_backward(terms: _EngineTerms, index: int) -> Phase:
     rates, params = terms.rates, terms.layers[index].params
-    flush = on_ssd("opt", GRAD_BYTES_PER_PARAM * params)   # synchronous write of the accumulated gradient
+    flush = on_ssd("grad", GRAD_BYTES_PER_PARAM * params)  # the gradient not kept in host memory: a synchronous write
     spilled = on_ssd("act", terms.checkpoints) if index > 0 else Linear()
     lanes = {"compute": Linear(terms.m * terms.times[index].forward_backward_s) + flush * rates.write
-             + spilled * rates.read_one}
+             + spilled * rates.read}
     reads, writes = spilled, flush
     if index > 0:
-        lanes["prefetch"] = terms.param_read[index - 1] * rates.read_one
+        lanes["prefetch"] = terms.param_read[index - 1] * rates.read
         reads += terms.param_read[index - 1]
     previous = index + 1  # updated during this layer's backward, after its own flush
     if terms.overlap and previous < terms.count and not terms.update_in_forward(previous):
@@ -281,7 +298,7 @@ def _engine_backward(terms: _EngineTerms, index: int) -> Phase:
     # The last layer's prefetch was skipped if its update was deferred: it is read now, serially.
     waits = Linear()
     if index == terms.count - 1 and terms.update_in_forward(index):
-        waits = terms.param_read[index] * rates.read_one
+        waits = terms.param_read[index] * rates.read
     return Phase(f"backward[{index}]", waits, lanes, serial_name="fetch wait (update, read)")
 
 
@@ -369,10 +386,11 @@ def horizontal_phases(workload: Workload, hardware: Hardware, settings: Horizont
             rates.add_link(lanes, link)
             phases.append(Phase(f"{sweep}[{index}]", serial, lanes, repeat=m, serial_name="SSD read (no prefetch)"))
     for index, layer in enumerate(layers):
-        reads = on_ssd("opt", (OPTIMIZER_BYTES_PER_PARAM + GRAD_BYTES_PER_PARAM) * layer.params)
-        writes = (on_ssd("opt", (OPTIMIZER_BYTES_PER_PARAM + GRAD_BYTES_PER_PARAM) * layer.params)
-                  + on_ssd("param", workload.param_bytes * layer.params))
-        lanes = {"SSD read": reads * rates.read_one, "SSD write": writes * rates.write,
+        states = OPTIMIZER_BYTES_PER_PARAM * layer.params
+        grads = GRAD_BYTES_PER_PARAM * layer.params
+        reads = on_ssd("opt", states) + on_ssd("grad", grads)
+        writes = on_ssd("opt", states) + on_ssd("grad", grads) + on_ssd("param", workload.param_bytes * layer.params)
+        lanes = {"SSD read": reads * rates.read_one, "SSD write": writes * rates.write_one,
                  "CPU Adam": Linear(layer.params * rates.adam)}
         phases.append(Phase(f"optimizer[{index}]", Linear(), lanes))
     return phases

@@ -23,11 +23,12 @@ class LayerTimes:
 class Hardware:
     name: str
     source: str
-    ssd_read_bytes_per_s: float          # several reads in flight (what overlapping streams reach together)
-    ssd_write_bytes_per_s: float
+    ssd_read_bytes_per_s: float          # deep queue: a transfer split in chunks issued together (the engine)
+    ssd_write_bytes_per_s: float         # deep queue, as above
     adam_elements_per_s: float           # CPU Adam over fp32 master, moments and gradient
     device_flops_per_s: float            # effective FLOP/s of a layer's compute at the micro-batch size
-    ssd_read_bytes_per_s_single: Optional[float] = None  # one read in flight (one stream); default: the above
+    ssd_read_bytes_per_s_single: Optional[float] = None  # one op per transfer (ZeRO-3's swapper); default: deep
+    ssd_write_bytes_per_s_single: Optional[float] = None  # one op per transfer; default: deep
     host_device_bytes_per_s: Optional[float] = None      # host<->device copies; None: the device is the host
     host_memory_bytes: Optional[float] = None            # default budget for the planner
     device_memory_bytes: Optional[float] = None
@@ -38,7 +39,8 @@ class Hardware:
 
     def __post_init__(self):
         for name in ("ssd_read_bytes_per_s", "ssd_write_bytes_per_s", "adam_elements_per_s", "device_flops_per_s",
-                     "ssd_read_bytes_per_s_single", "host_device_bytes_per_s", "host_memory_bytes",
+                     "ssd_read_bytes_per_s_single", "ssd_write_bytes_per_s_single", "host_device_bytes_per_s",
+                     "host_memory_bytes",
                      "device_memory_bytes"):
             value = getattr(self, name)
             if value is None:
@@ -47,10 +49,8 @@ class Hardware:
                 raise PlannerError(f"hardware {self.name!r}: {name} must be a positive number, got {value!r}")
         if self.ssd_read_bytes_per_s_single is None:
             self.ssd_read_bytes_per_s_single = self.ssd_read_bytes_per_s
-
-    @property
-    def single_read_rate(self) -> float:
-        return self.ssd_read_bytes_per_s_single
+        if self.ssd_write_bytes_per_s_single is None:
+            self.ssd_write_bytes_per_s_single = self.ssd_write_bytes_per_s
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)

@@ -35,8 +35,8 @@ def _median_seconds(action: Callable[[], None], repeats: int, warmup: int = 1) -
 
 
 def probe_ssd(folder: str, ds_config: dict, region_mib: int = 128, repeats: int = 3) -> Dict[str, float]:
-    """Write and read one region whole (one read in flight, as one SsdStore does), then read the same
-    bytes as 4 regions in flight on one handle (what overlapping streams reach together)."""
+    """Write and read one region whole, two ways: through SsdStore, as the engine transfers (a deep
+    queue of chunks), and as one aio op per transfer, as ZeRO-3's swapper issues a tensor."""
     os.makedirs(folder, exist_ok=True)
     scratch = tempfile.mkdtemp(prefix="planner_probe_", dir=folder)
     try:
@@ -44,26 +44,23 @@ def probe_ssd(folder: str, ds_config: dict, region_mib: int = 128, repeats: int 
         region = store.create_region("whole", region_mib * MIB, "probe")
         buffer = store.new_buffer(region)
         buffer.fill_(7)
-        write_s = _median_seconds(lambda: store.write(region, buffer), repeats)
-        read_s = _median_seconds(lambda: store.read(region, buffer), repeats)
-        parts = [store.create_region(f"part{i}", region_mib * MIB // 4, "probe") for i in range(4)]
-        part_buffers = [store.new_buffer(part) for part in parts]
-        for part, part_buffer in zip(parts, part_buffers):
-            store.write(part, part_buffer)
+        rates = {"ssd_write_bytes_per_s": region.padded_bytes / _median_seconds(lambda: store.write(region, buffer),
+                                                                                 repeats),
+                 "ssd_read_bytes_per_s": region.padded_bytes / _median_seconds(lambda: store.read(region, buffer),
+                                                                                repeats)}
         handle = deepspeed_compat.new_aio_handle(ds_config)
 
-        def read_parallel():
-            for part, part_buffer in zip(parts, part_buffers):
-                handle.pread(part_buffer[:part.padded_bytes], part.path, False, True, 0)
-            completed = handle.wait()
-            if completed != len(parts):
-                raise OSError(f"aio probe: {completed} of {len(parts)} reads completed in {scratch}")
+        def one_op(kind: str):
+            def run():
+                issue = handle.pread if kind == "read" else handle.pwrite
+                issue(buffer[:region.padded_bytes], region.path, False, True, 0)  # async, then wait
+                if handle.wait() != 1:
+                    raise OSError(f"aio probe: a {kind} of {region.padded_bytes} bytes in {scratch} did not complete")
+            return run
 
-        parallel_s = _median_seconds(read_parallel, repeats)
-        single = region.padded_bytes / read_s
-        return {"ssd_write_bytes_per_s": region.padded_bytes / write_s,
-                "ssd_read_bytes_per_s_single": single,
-                "ssd_read_bytes_per_s": max(single, sum(p.padded_bytes for p in parts) / parallel_s)}
+        for kind in ("write", "read"):
+            rates[f"ssd_{kind}_bytes_per_s_single"] = region.padded_bytes / _median_seconds(one_op(kind), repeats)
+        return rates
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -164,7 +161,8 @@ def probe_machine(nvme_path: str, ds_config: dict, workload: Optional[Workload] 
                     f"{time.strftime('%Y-%m-%d %H:%M:%S')}, {os.cpu_count()} CPUs, device {device}",
                     ssd_read_bytes_per_s=rates["ssd_read_bytes_per_s"],
                     ssd_read_bytes_per_s_single=rates["ssd_read_bytes_per_s_single"],
-                    ssd_write_bytes_per_s=rates["ssd_write_bytes_per_s"], adam_elements_per_s=adam,
+                    ssd_write_bytes_per_s=rates["ssd_write_bytes_per_s"],
+                    ssd_write_bytes_per_s_single=rates["ssd_write_bytes_per_s_single"], adam_elements_per_s=adam,
                     device_flops_per_s=flops, host_device_bytes_per_s=link, host_memory_bytes=_host_memory(),
                     layer_times=layer_times, layer_times_for=key,
                     notes=f"aio {deepspeed_compat.aio_settings(ds_config)}; SSD folder {nvme_path}")

@@ -23,7 +23,7 @@ from ..schedule import default_deferred_layers
 GIB = 2**30
 MIB = 2**20
 # The engine keeps parameters and optimizer states on SSD only; host-resident shares are modelled.
-ENGINE_SHARES = ("act",)
+ENGINE_SHARES = ("act", "grad")
 
 
 class BudgetTooSmall(PlannerError):
@@ -42,14 +42,15 @@ def _ceil_to(value: float, digits: int) -> float:
 def host_bytes(workload: Workload) -> Linear:
     """Host memory of a plan, linear in the shares: the engine's fixed staging buffers (two parameter
     buffers, the optimizer's state and gradient buffers in the training process and in the worker,
-    for the largest layer) plus the host shares of checkpoints, parameters and optimizer states."""
+    for the largest layer) plus the host shares of checkpoints, parameters, optimizer states and
+    gradients."""
     layers = workload.shape.layers
     largest = max(layer.params for layer in layers)
     params = sum(layer.params for layer in layers)
     fixed = largest * (2 * workload.param_bytes + 2 * (OPTIMIZER_BYTES_PER_PARAM + GRAD_BYTES_PER_PARAM) + 4)
     checkpoints = workload.micro_batches * (len(layers) - 1) * workload.checkpoint_bytes
     return (Linear(fixed) + in_host("act", checkpoints) + in_host("param", workload.param_bytes * params)
-            + in_host("opt", (OPTIMIZER_BYTES_PER_PARAM + GRAD_BYTES_PER_PARAM) * params))
+            + in_host("opt", OPTIMIZER_BYTES_PER_PARAM * params) + in_host("grad", GRAD_BYTES_PER_PARAM * params))
 
 
 def solve_placement(phases: List[Phase], memory: Linear, budget_bytes: float,
@@ -99,9 +100,18 @@ class Plan:
 
     def greedysnake_block(self) -> dict:
         """The ds_config block the engine runs this plan with (checkpoint budget rounded up to a MiB)."""
-        checkpoints = self.micro_batches * (len(self.workload.shape.layers) - 1) * self.workload.checkpoint_bytes
+        layers = self.workload.shape.layers
+        checkpoints = self.micro_batches * (len(layers) - 1) * self.workload.checkpoint_bytes
+        # Whole gradient slots of 4096-byte multiples, counted from the last layer as the engine assigns them.
+        slots = [-(-GRAD_BYTES_PER_PARAM * layer.params // 4096) * 4096 for layer in reversed(layers)]
+        wanted, gradient_bytes = self.shares["grad"] * sum(slots), 0
+        for slot in slots:
+            if gradient_bytes + slot > wanted * (1 + 1e-9):
+                break
+            gradient_bytes += slot
         return {"enabled": True, "deferred_layers": self.deferred_layers,
-                "activation_host_memory_mb": float(-(-self.shares["act"] * checkpoints // MIB))}
+                "activation_host_memory_mb": float(-(-self.shares["act"] * checkpoints // MIB)),
+                "gradient_host_memory_mb": float(-(-gradient_bytes // MIB))}
 
     def to_dict(self) -> dict:
         return {"micro_batches": self.micro_batches, "deferred_layers": self.deferred_layers, "alpha": self.alpha,
@@ -151,7 +161,7 @@ def _fill_host(shares: Dict[str, float], memory: Linear, budget_bytes: float, fr
     """Keep in host memory whatever the budget still holds, in the order that saves the most SSD traffic
     per byte (checkpoints, then optimizer states, then parameters): never slower, often equal."""
     shares = dict(shares)
-    for share in ("act", "opt", "param"):
+    for share in ("act", "grad", "opt", "param"):
         if share not in free:
             continue
         left = budget_bytes - memory.value(shares)

@@ -76,8 +76,9 @@ def test_first_forward_waits_for_the_front_update_and_reads_serially():
     workload = Workload(named_shape("ab-ssd-bound"), 1, 2)
     phases = engine_phases(workload, hardware, deferred_layers=1)
     embedding = workload.shape.layers[0].params
-    update = 16 * embedding / (500 * MIB) + embedding / 2e9 + 16 * embedding / (1000 * MIB)
-    read = 4 * embedding / (500 * MIB)
+    # The engine's transfers are deep-queued: reads at the deep rate (1000 MiB/s), not the one-op one.
+    update = 16 * embedding / (1000 * MIB) + embedding / 2e9 + 16 * embedding / (1000 * MIB)
+    read = 4 * embedding / (1000 * MIB)
     assert phases[0].name == "forward[0]"
     assert phases[0].serial.value({}) == pytest.approx(update + read)
     # Without overlap every update is one serial phase after backward.
@@ -101,7 +102,7 @@ def test_more_in_host_memory_is_never_slower():
     for phases in (engine_phases(workload, hardware, 1), ideal_vertical_phases(workload, hardware, 0.25)):
         previous = None
         for share in (0.0, 0.5, 1.0):
-            seconds = evaluate("gs", phases, workload, {"act": share, "param": share, "opt": share}).seconds
+            seconds = evaluate("gs", phases, workload, dict.fromkeys(("act", "param", "opt", "grad"), share)).seconds
             assert previous is None or seconds <= previous + 1e-12
             previous = seconds
 
@@ -112,13 +113,14 @@ def test_lp_matches_a_grid_search():
     workload = Workload(named_shape("ab-ssd-bound"), 1, 8)
     phases = ideal_vertical_phases(workload, hardware, 0.25)
     memory = host_bytes(workload)
-    budget = memory.const + 0.3 * (memory.value({"act": 1, "param": 1, "opt": 1}) - memory.const)
-    shares = solve_placement(phases, memory, budget, ("act", "param", "opt"))
+    budget = memory.const + 0.3 * (memory.value(dict.fromkeys(("act", "param", "opt", "grad"), 1)) - memory.const)
+    shares = solve_placement(phases, memory, budget, ("act", "param", "opt", "grad"))
     assert memory.value(shares) <= budget * (1 + 1e-6)
     best_lp = evaluate("gs", phases, workload, shares).seconds
-    grid = [i / 10 for i in range(11)]
-    feasible = [dict(zip(("act", "param", "opt"), point)) for point in itertools.product(grid, repeat=3)
-                if memory.value(dict(zip(("act", "param", "opt"), point))) <= budget]
+    names = ("act", "param", "opt", "grad")
+    grid = [i / 6 for i in range(7)]
+    feasible = [dict(zip(names, point)) for point in itertools.product(grid, repeat=4)
+                if memory.value(dict(zip(names, point))) <= budget]
     best_grid = min(evaluate("gs", phases, workload, point).seconds for point in feasible)
     assert best_lp <= best_grid + 1e-9
 
@@ -176,7 +178,7 @@ def test_clipping_defers_every_update():
     assert plan.deferred_layers == layers
     phases = engine_phases(workload, machine(), layers)
     head = next(phase for phase in phases if phase.name == f"backward[{layers - 1}]")
-    assert head.serial.value({}) == pytest.approx(4 * workload.shape.layers[-1].params / (500 * MIB))
+    assert head.serial.value({}) == pytest.approx(4 * workload.shape.layers[-1].params / (1000 * MIB))
     prefetched = next(phase for phase in engine_phases(workload, machine(), 1) if phase.name == head.name)
     assert prefetched.serial.value({}) == 0
 
@@ -192,3 +194,24 @@ def test_zero_infinity_without_recompute_reads_blocks_twice():
         per_step[recompute] = times[1] - times[0]
     blocks = sum(4 * layer.swapped_params for layer in shape.layers if layer.checkpointed)
     assert per_step[True] - per_step[False] == pytest.approx(blocks / (500 * MIB), rel=0.01)
+
+
+def test_gradient_slots_follow_the_engines_arena():
+    """Gradients kept in host memory from the last layer down while they fit, as the engine's arena does;
+    a plan's block asks for whole slots."""
+    from ds_greedysnake.planner.cost_model import EngineSettings
+    workload = Workload(named_shape("ab-ssd-bound"), 1, 4)
+    embedding, block, head = (4 * layer.params for layer in workload.shape.layers[:2] + workload.shape.layers[-1:])
+    total = embedding + 2 * block + head
+    assert EngineSettings(gradient_host_bytes=2**30).shares(workload, 2**30)["grad"] == 1.0
+    just_head_and_block = EngineSettings(gradient_host_bytes=head + block + 8192).shares(workload, 0)
+    assert just_head_and_block["grad"] == pytest.approx((head + block) / total, rel=1e-3)
+    assert just_head_and_block["act"] == 0.0
+    assert EngineSettings(gradient_host_bytes=0).shares(workload, 0)["grad"] == 0.0
+    plan = best_plan_for(workload, machine(), 64 * 2**30, HorizontalSettings())
+    assert plan.shares["grad"] == 1.0
+    assert plan.greedysnake_block()["gradient_host_memory_mb"] * MIB >= total
+    # A budget that holds the staging buffers and half the gradients: whole slots only, never more than planned.
+    tight = best_plan_for(workload, machine(), host_bytes(workload).const + total / 2, HorizontalSettings())
+    assert 0 < tight.shares["grad"] + tight.shares["act"]
+    assert tight.greedysnake_block()["gradient_host_memory_mb"] * MIB <= tight.shares["grad"] * total + MIB
