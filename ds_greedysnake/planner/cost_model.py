@@ -173,6 +173,8 @@ class _Rates:
         self.read_one = 1.0 / hardware.ssd_read_bytes_per_s_single  # one op per transfer (ZeRO-3's swapper)
         self.write_one = 1.0 / hardware.ssd_write_bytes_per_s_single
         self.adam = 1.0 / hardware.adam_elements_per_s
+        handoff = hardware.grad_handoff_elements_per_s
+        self.handoff = 0.0 if handoff is None else 1.0 / handoff
         link = hardware.host_device_bytes_per_s
         self.link = None if link is None else 1.0 / link
 
@@ -283,8 +285,9 @@ def _engine_backward(terms: _EngineTerms, index: int) -> Phase:
     rates, params = terms.rates, terms.layers[index].params
     flush = on_ssd("grad", GRAD_BYTES_PER_PARAM * params)  # the gradient not kept in host memory: a synchronous write
     spilled = on_ssd("act", terms.checkpoints) if index > 0 else Linear()
-    lanes = {"compute": Linear(terms.m * terms.times[index].forward_backward_s) + flush * rates.write
-             + spilled * rates.read}
+    # The training thread also hands the gradient over: a copy to host memory and its fp64 norm.
+    lanes = {"compute": Linear(terms.m * terms.times[index].forward_backward_s + params * rates.handoff)
+             + flush * rates.write + spilled * rates.read}
     reads, writes = spilled, flush
     if index > 0:
         lanes["prefetch"] = terms.param_read[index - 1] * rates.read

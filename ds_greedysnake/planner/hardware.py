@@ -30,6 +30,7 @@ class Hardware:
     ssd_read_bytes_per_s_single: Optional[float] = None  # one op per transfer (ZeRO-3's swapper); default: deep
     ssd_write_bytes_per_s_single: Optional[float] = None  # one op per transfer; default: deep
     host_device_bytes_per_s: Optional[float] = None      # host<->device copies; None: the device is the host
+    grad_handoff_elements_per_s: Optional[float] = None  # the engine's gradient hand-over (copy, fp64 norm)
     host_memory_bytes: Optional[float] = None            # default budget for the planner
     device_memory_bytes: Optional[float] = None
     notes: str = ""
@@ -40,6 +41,7 @@ class Hardware:
     def __post_init__(self):
         for name in ("ssd_read_bytes_per_s", "ssd_write_bytes_per_s", "adam_elements_per_s", "device_flops_per_s",
                      "ssd_read_bytes_per_s_single", "ssd_write_bytes_per_s_single", "host_device_bytes_per_s",
+                     "grad_handoff_elements_per_s",
                      "host_memory_bytes",
                      "device_memory_bytes"):
             value = getattr(self, name)

@@ -1,6 +1,7 @@
 """Measure this machine for the planner: SSD rates through DeepSpeed's aio handle with the config's
-``aio`` block, CPU Adam elements/s, host<->device copies (when the device is not the host), and
-forward / forward+backward seconds of each layer kind of a model at the micro-batch size.
+``aio`` block, CPU Adam elements/s, the gradient hand-over's elements/s, host<->device copies (when
+the device is not the host), and forward / forward+backward seconds of each layer kind of a model at
+the micro-batch size.
 
     hardware = probe_machine("/path/on/ssd", ds_config, workload)   # a Hardware (to_dict() for JSON)
 
@@ -79,6 +80,18 @@ def probe_adam(numel: int = 1 << 23, repeats: int = 5) -> float:
     return numel / _median_seconds(update, repeats)
 
 
+def probe_grad_handoff(numel: int = 1 << 22, repeats: int = 5) -> float:
+    """Elements/s of the engine's gradient hand-over on the training path: copy the accumulated fp32
+    gradient into host memory and take its squared norm in fp64 (for clipping and the overflow check)."""
+    source, destination = torch.randn(numel), torch.empty(numel)
+
+    def hand_over():
+        destination.copy_(source)
+        float(destination.double().pow(2).sum())
+
+    return numel / _median_seconds(hand_over, repeats)
+
+
 def probe_link(device: torch.device, num_bytes: int = 256 * MIB, repeats: int = 3) -> Optional[float]:
     """Host<->device copy rate (slower direction); None when the device is the host."""
     if device.type == "cpu":
@@ -148,6 +161,7 @@ def probe_machine(nvme_path: str, ds_config: dict, workload: Optional[Workload] 
     device = device or deepspeed_compat.accelerator_device()
     rates = probe_ssd(nvme_path, ds_config, region_mib=32 if quick else 128, repeats=2 if quick else 3)
     adam = probe_adam(numel=(1 << 21) if quick else (1 << 23), repeats=3 if quick else 5)
+    handoff = probe_grad_handoff(numel=(1 << 20) if quick else (1 << 22))
     link = probe_link(device, num_bytes=(64 if quick else 256) * MIB)
     layer_times, key, flops = {}, "", None
     if workload is not None:
@@ -163,7 +177,8 @@ def probe_machine(nvme_path: str, ds_config: dict, workload: Optional[Workload] 
                     ssd_read_bytes_per_s_single=rates["ssd_read_bytes_per_s_single"],
                     ssd_write_bytes_per_s=rates["ssd_write_bytes_per_s"],
                     ssd_write_bytes_per_s_single=rates["ssd_write_bytes_per_s_single"], adam_elements_per_s=adam,
-                    device_flops_per_s=flops, host_device_bytes_per_s=link, host_memory_bytes=_host_memory(),
+                    device_flops_per_s=flops, host_device_bytes_per_s=link, grad_handoff_elements_per_s=handoff,
+                    host_memory_bytes=_host_memory(),
                     layer_times=layer_times, layer_times_for=key,
                     notes=f"aio {deepspeed_compat.aio_settings(ds_config)}; SSD folder {nvme_path}")
 
