@@ -17,7 +17,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from .. import deepspeed_compat
-from ..ssd import IoCounters, SsdStore
+from ..ssd import IoCounters, SsdStore, aligned_buffer
 from .cost_model import Workload
 from .errors import PlannerError
 from .hardware import Hardware, LayerTimes
@@ -50,11 +50,12 @@ def probe_ssd(folder: str, ds_config: dict, region_mib: int = 128, repeats: int 
                  "ssd_read_bytes_per_s": region.padded_bytes / _median_seconds(lambda: store.read(region, buffer),
                                                                                 repeats)}
         handle = deepspeed_compat.new_aio_handle(ds_config)
+        plain = aligned_buffer(region.padded_bytes)  # not locked, as ZeRO-3's swapper's without pin_memory
 
         def one_op(kind: str):
             def run():
                 issue = handle.pread if kind == "read" else handle.pwrite
-                issue(buffer[:region.padded_bytes], region.path, False, True, 0)  # async, then wait
+                issue(plain, region.path, False, True, 0)  # async, then wait
                 if handle.wait() != 1:
                     raise OSError(f"aio probe: a {kind} of {region.padded_bytes} bytes in {scratch} did not complete")
             return run
@@ -82,12 +83,14 @@ def probe_adam(numel: int = 1 << 23, repeats: int = 5) -> float:
 
 def probe_grad_handoff(numel: int = 1 << 22, repeats: int = 5) -> float:
     """Elements/s of the engine's gradient hand-over on the training path: copy the accumulated fp32
-    gradient into host memory and take its squared norm in fp64 (for clipping and the overflow check)."""
+    gradient into host memory and take its squared norm (the engine's own ``squared_norm``, for
+    clipping and the overflow check)."""
+    from ..optimizer import squared_norm
     source, destination = torch.randn(numel), torch.empty(numel)
 
     def hand_over():
         destination.copy_(source)
-        float(destination.double().pow(2).sum())
+        squared_norm(destination)
 
     return numel / _median_seconds(hand_over, repeats)
 
@@ -112,8 +115,8 @@ def probe_link(device: torch.device, num_bytes: int = 256 * MIB, repeats: int = 
 
 def probe_layers(workload: Workload, device: torch.device, repeats: int = 5) -> Dict[str, LayerTimes]:
     """Seconds per micro-batch of the embedding, one block and the head with the loss, run as the
-    engine runs them: forward without a graph; recompute with a graph, backward, and the gradient
-    added into a flat accumulator."""
+    engine runs them: forward without a graph; recompute with a graph and backward, the gradients
+    accumulating in place in views of one flat accumulator."""
     from ..models.gpt import Block, Embedding, GPTConfig, Head, lm_loss
     shape = workload.shape
     config = GPTConfig(vocab_size=shape.vocab, seq_len=shape.seq_len, hidden=shape.hidden,
@@ -126,7 +129,11 @@ def probe_layers(workload: Workload, device: torch.device, repeats: int = 5) -> 
     for kind, module, layer_input in (("embedding", Embedding(config), tokens), ("block", Block(config), hidden),
                                       ("head", Head(config), hidden)):
         module = module.to(device=device, dtype=dtype)
-        accumulator = torch.zeros(sum(p.numel() for p in module.parameters()), device=device)
+        accumulator = torch.zeros(sum(p.numel() for p in module.parameters()), device=device, dtype=dtype)
+        offset = 0
+        for param in module.parameters():  # autograd adds each micro-batch's gradient into these views
+            param.grad = accumulator[offset:offset + param.numel()].view_as(param)
+            offset += param.numel()
 
         def forward():
             with torch.no_grad():
@@ -140,11 +147,6 @@ def probe_layers(workload: Workload, device: torch.device, repeats: int = 5) -> 
                 lm_loss(output, tokens).backward()
             else:
                 output.backward(torch.ones_like(output))
-            offset = 0
-            for param in module.parameters():
-                accumulator[offset:offset + param.numel()].add_(param.grad.reshape(-1))
-                offset += param.numel()
-                param.grad = None
             synchronize()
 
         times[kind] = LayerTimes(_median_seconds(forward, repeats), _median_seconds(forward_backward, repeats))
