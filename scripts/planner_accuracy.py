@@ -37,6 +37,8 @@ def predict_runs(report: dict, hardware_arg: str, nvme_path: str, save_hardware=
     from ds_greedysnake.schedule import default_deferred_layers
     rows, hardware_by_config = [], {}
     for run in report["runs"]:
+        if run.get("world_size", 1) > 1:
+            continue  # the model is of one rank (docs/planner.md, limitations)
         spec = report["configs"][run["config"]]
         shape = parse_layers(f"blocks={spec['layers']},hidden={spec['hidden']},heads={spec['heads']},"
                              f"vocab={spec['vocab']},seq_len={spec['seq_len']}")
