@@ -32,7 +32,8 @@ def test_prediction_within_20_percent(tmp_path):
     try:
         # The sizes are explicit: the one documented in docs/planner.md, whatever ab_bench's defaults.
         run([sys.executable, os.path.join(REPO, "scripts", "ab_bench.py"), "--configs", "ssd_bound", "--hidden", "1024",
-             "--layers", "2", "--seq-len", "32", "--micro-batches", "1", "--warmup", "1", "--steps", "5", "--no-plot",
+             "--layers", "2", "--seq-len", "32", "--micro-batches", "1", "--ranks", "1", "--warmup", "1", "--steps", "5",
+             "--no-plot",
              "--out-dir", str(tmp_path), "--nvme-path", nvme], port)
         table = run([sys.executable, os.path.join(REPO, "scripts", "planner_accuracy.py"), "--ab-json",
                      str(tmp_path / "ab_bench.json"), "--nvme-path", nvme, "--out", str(tmp_path / "accuracy.json")],
