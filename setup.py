@@ -7,5 +7,7 @@ setup(
     packages=find_packages(include=["ds_greedysnake", "ds_greedysnake.*"]),
     python_requires=">=3.10",
     # DeepSpeed is pinned: deepspeed_compat.py relies on private pieces checked against this release.
-    install_requires=["deepspeed==0.19.8", "torch>=2.4", "numpy", "pytest", "matplotlib", "transformers==5.24.0", "tqdm"],
+    # transformers is pinned: ds_greedysnake/models/hf.py's split was checked against this release.
+    install_requires=["deepspeed==0.19.8", "torch>=2.4", "numpy", "pytest", "matplotlib", "scipy>=1.10",
+                      "transformers==5.24.0", "tqdm"],
 )

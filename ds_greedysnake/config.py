@@ -62,6 +62,17 @@ class GreedySnakeConfig(DeepSpeedConfigModel):
     """How long a rank waits in a collective for the others before failing with an error (used when
     ds_greedysnake.initialize sets up torch.distributed; DeepSpeed's own default is 30 minutes)."""
 
+    auto: bool = False
+    """Plan at initialize (ds_greedysnake.planner, docs/planner.md): choose ``deferred_layers``,
+    ``activation_host_memory_mb`` and ``gradient_host_memory_mb`` unless set here, and M (gradient_accumulation_steps) when ds_config
+    fixes no batch size and one rank runs; the choices are logged. Built-in GPT models only."""
+
+    plan_hardware: Optional[str] = None
+    """With ``auto``: a hardware JSON file (configs/hardware/) instead of probing this machine."""
+
+    plan_host_memory_gb: Optional[float] = Field(None, gt=0)
+    """With ``auto``: the host-memory budget (GiB) of the plan; default half the machine's memory."""
+
     swap_dir_name: str = "greedysnake"
     """Folder created under ``zero_optimization.offload_param.nvme_path`` for this run's files."""
 

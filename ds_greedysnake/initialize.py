@@ -8,6 +8,7 @@ import torch
 import deepspeed
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.utils import log_dist
 
 from .config import check_ds_config, parse_greedysnake_config
 from .deepspeed_compat import parsed_ds_config, remove_shm_buffer_at_exit
@@ -48,13 +49,22 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
         engine.train_batch = types.MethodType(_horizontal_train_batch_with(loss_fn), engine)
         return engine, engine_optimizer, loader, scheduler
     nvme_path = check_ds_config(ds_config, get_accelerator().device_name())
-    split_model(model)  # a model that cannot be split fails here, before any DeepSpeed set-up
+    modules = split_model(model)  # a model that cannot be split fails here, before any DeepSpeed set-up
+    if greedysnake_config.auto:
+        ds_config, greedysnake_config = _apply_plan(ds_config, modules, nvme_path)
     dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                           dist_init_required=dist_init_required,
                           timeout=timedelta(seconds=greedysnake_config.collective_timeout_seconds))
     engine = GreedySnakeEngine(greedysnake_config, loss_fn, nvme_path, dist_init_required=dist_init_required,
                                config=ds_config, config_class=parsed_ds_config(ds_config, mpu), **common)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _apply_plan(ds_config: Dict[str, Any], modules, nvme_path: str):
+    from .planner.auto import auto_plan  # the planner (SciPy) only when asked for
+    applied, _, lines = auto_plan(ds_config, modules, nvme_path)
+    log_dist("greedysnake auto plan: " + "; ".join(lines), ranks=[0])
+    return applied, parse_greedysnake_config(applied)
 
 
 def _horizontal_train_batch_with(loss_fn: Callable):

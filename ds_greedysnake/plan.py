@@ -1,0 +1,164 @@
+"""The planner's command line: the recommended greedysnake block and predicted step times of both engines.
+
+    python -m ds_greedysnake.plan --config ds_config.json --model gpt-small              # probes this machine
+    python -m ds_greedysnake.plan --config ds_config.json --model gpt-65b --hardware configs/hardware/a100_pcie4.json
+    python -m ds_greedysnake.plan --config ds_config.json --layers blocks=2,hidden=1024,heads=8,vocab=2048,seq_len=32 --json
+"""
+import argparse
+import contextlib
+import json
+import os
+import sys
+
+from .planner.errors import PlannerError
+from .planner.hardware import load_hardware, save_hardware
+from .planner.plan_config import PlanRequest, budget_bytes, plan_for_config, workload_from_config
+from .planner.search import GIB
+from .planner.shapes import named_shape, parse_layers
+
+MIB = 2**20
+NOT_IMPLEMENTED = ("parameters and optimizer states stay on SSD: host-resident shares of them are modelled "
+                   "(--modelled-placements) but not implemented by the engine yet")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m ds_greedysnake.plan", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="the ds_config.json to plan for")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--model", default=None, help="a named model shape (default gpt-small); see --list-models")
+    which.add_argument("--layers", default=None, help="a GPT shape: blocks=N,hidden=H,heads=A,vocab=V,seq_len=S")
+    parser.add_argument("--hardware", default="probe", help="'probe' (measure this machine) or a hardware JSON file")
+    parser.add_argument("--host-memory", type=float, default=None, help="host-memory budget in GiB "
+                        "(default: half the hardware's host memory)")
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=None,
+                        help="the M to consider (default 1 2 4 ... 64 and the config's)")
+    parser.add_argument("--modelled-placements", action="store_true",
+                        help="let parameters and optimizer states sit in host memory (modelled, not implemented)")
+    parser.add_argument("--ideal", action="store_true",
+                        help="the paper's model (alpha split, every transfer overlapped) instead of the engine as it is")
+    parser.add_argument("--zero-no-recompute", action="store_true",
+                        help="the ZeRO-Infinity baseline runs without activation checkpointing "
+                             "(as scripts/train.py --baseline does; scripts/ab_bench.py checkpoints)")
+    parser.add_argument("--nvme-path", default=None, help="folder the probe measures (default: the config's nvme_path)")
+    parser.add_argument("--save-hardware", default=None, help="write the probed hardware to this JSON file")
+    parser.add_argument("--json", action="store_true", help="print JSON for machines")
+    return parser.parse_args(argv)
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr_if(enabled: bool):
+    """Point file descriptor 1 at stderr for a while (Python loggers and native code alike)."""
+    if not enabled:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _load_config(path: str) -> dict:
+    try:
+        with open(path) as handle:
+            return json.load(handle)
+    except OSError as error:
+        raise PlannerError(f"cannot read --config {path}: {error.strerror}") from None
+    except json.JSONDecodeError as error:
+        raise PlannerError(f"--config {path} is not valid JSON: {error}") from None
+
+
+def _hardware(args, ds_config: dict, shape):
+    if args.hardware != "probe":
+        return load_hardware(args.hardware)
+    from .planner.probe import probe_machine  # imports torch and DeepSpeed's ops: only when probing
+    offload = (ds_config.get("zero_optimization") or {}).get("offload_param") or {}
+    nvme_path = args.nvme_path or offload.get("nvme_path")
+    workload = workload_from_config(ds_config, shape)
+    # Time the layers where one block fits easily in memory; otherwise fall back to FLOP/s.
+    timed = workload if shape.layers[1].params * workload.param_bytes < 2 * GIB else None
+    hardware = probe_machine(nvme_path, ds_config, timed)
+    if args.save_hardware:
+        save_hardware(hardware, args.save_hardware)
+    return hardware
+
+
+def _describe(plans, hardware, shape, workload, budget, request) -> str:
+    best = plans[0]
+    gs, zi = best.prediction, best.zero_infinity
+    lines = [
+        f"model {shape.name}: {shape.params / 1e6:.1f}M parameters, {len(shape.layers)} layers as the engine splits "
+        f"it, micro-batch {workload.micro_batch_size} x {shape.seq_len} tokens, {8 * workload.param_bytes}-bit",
+        f"hardware {hardware.name} ({hardware.source}): SSD read {hardware.ssd_read_bytes_per_s / MIB:.0f} MiB/s, "
+        f"write {hardware.ssd_write_bytes_per_s / MIB:.0f} MiB/s (one op per transfer: "
+        f"{hardware.ssd_read_bytes_per_s_single / MIB:.0f} and {hardware.ssd_write_bytes_per_s_single / MIB:.0f});"
+        f" CPU Adam {hardware.adam_elements_per_s / 1e6:.0f} M elements/s; device "
+        f"{hardware.device_flops_per_s / 1e9:.1f} GFLOP/s; host link "
+        + ("none (the device is the host)" if hardware.host_device_bytes_per_s is None
+           else f"{hardware.host_device_bytes_per_s / 1e9:.1f} GB/s"),
+        f"host-memory budget {budget / GIB:.2f} GiB; model: "
+        + ("the paper's ideal (alpha split)" if request.ideal else "the engine as it runs today"),
+        "",
+        f"recommended (the smallest M within 95% of the best predicted tokens/s): M = {best.micro_batches}",
+        f'  "gradient_accumulation_steps": {best.micro_batches},',
+        f'  "greedysnake": {json.dumps(best.greedysnake_block()) if not request.ideal else "(ideal model: not an engine config)"}',
+        f"  greedysnake:   {gs.seconds:.3f} s/step, {gs.tokens_per_second:.1f} tokens/s, binds: {gs.binding} "
+        f"({gs.seconds_by_binding[gs.binding]:.3f} s of the step)",
+        f"  ZeRO-Infinity: {zi.seconds:.3f} s/step, {zi.tokens_per_second:.1f} tokens/s, binds: {zi.binding} "
+        f"({zi.seconds_by_binding[zi.binding]:.3f} s of the step)",
+        f"  predicted speed-up {zi.seconds / gs.seconds:.2f}x; host memory {best.host_bytes / GIB:.2f} GiB "
+        f"(shares in host memory: {', '.join(f'{k} {v:.2f}' for k, v in best.shares.items())})",
+        "",
+        "| M | greedysnake s | tokens/s | binds | ZeRO-Infinity s | tokens/s | binds | speed-up | split | host GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for plan in sorted(plans, key=lambda p: p.micro_batches):
+        g, z = plan.prediction, plan.zero_infinity
+        split = plan.deferred_layers if plan.alpha is None else f"alpha {plan.alpha:.3f}"
+        lines.append(f"| {plan.micro_batches} | {g.seconds:.3f} | {g.tokens_per_second:.1f} | {g.binding} | "
+                     f"{z.seconds:.3f} | {z.tokens_per_second:.1f} | {z.binding} | {z.seconds / g.seconds:.2f}x | "
+                     f"{split} | {plan.host_bytes / GIB:.2f} |")
+    if not request.modelled_shares:
+        lines += ["", f"note: {NOT_IMPLEMENTED}."]
+    else:
+        lines += ["", "note: MODELLED placements: host-resident parameters / optimizer states are not implemented "
+                      "by the engine; apply only the checkpoint budget of this plan."]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        ds_config = _load_config(args.config)
+        shape = parse_layers(args.layers) if args.layers else named_shape(args.model or "gpt-small")
+        with _stdout_to_stderr_if(args.json):
+            hardware = _hardware(args, ds_config, shape)
+        request = PlanRequest(shape, hardware, None if args.host_memory is None else args.host_memory * GIB,
+                              args.micro_batches, args.modelled_placements, args.ideal, not args.zero_no_recompute)
+        with _stdout_to_stderr_if(args.json):  # DeepSpeed logs to stdout; --json output must stay clean
+            plans = plan_for_config(ds_config, request)
+    except PlannerError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    budget = budget_bytes(request)
+    workload = plans[0].workload
+    if args.json:
+        print(json.dumps({"model": shape.name, "parameters": shape.params, "budget_bytes": budget,
+                          "hardware": hardware.to_dict(), "recommended": dict(plans[0].to_dict(),
+                          gradient_accumulation_steps=plans[0].micro_batches,
+                          greedysnake_block=None if args.ideal else plans[0].greedysnake_block()),
+                          "plans": [p.to_dict() for p in sorted(plans, key=lambda p: p.micro_batches)],
+                          "notes": [NOT_IMPLEMENTED] if not args.modelled_placements else
+                          ["modelled placements: not implemented by the engine"]}, indent=1))
+    else:
+        print(_describe(plans, hardware, shape, workload, budget, request))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,13 @@
+"""The planner: a cost model of both engines and a search that picks M, the optimizer split and
+the data placement for a machine. ``python -m ds_greedysnake.plan --help``; docs/planner.md."""
+from .cost_model import EngineSettings, HorizontalSettings, StepPrediction, Workload, engine_phases, evaluate, horizontal_phases
+from .errors import PlannerError
+from .hardware import Hardware, LayerTimes, hardware_from_dict, load_hardware, save_hardware
+from .plan_config import PlanRequest, plan_for_config, workload_from_config
+from .search import BudgetTooSmall, Plan, search
+from .shapes import NAMED_SHAPES, GPTShape, named_shape, parse_layers
+
+__all__ = ["BudgetTooSmall", "EngineSettings", "GPTShape", "Hardware", "HorizontalSettings", "LayerTimes", "NAMED_SHAPES", "Plan",
+           "PlanRequest", "PlannerError", "StepPrediction", "Workload", "engine_phases", "evaluate",
+           "hardware_from_dict", "horizontal_phases", "load_hardware", "named_shape", "parse_layers",
+           "plan_for_config", "save_hardware", "search", "workload_from_config"]
