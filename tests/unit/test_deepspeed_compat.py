@@ -27,3 +27,17 @@ def test_cpu_adam_kernel_matches_torch_adamw():
         reference.grad = grads
         optimizer.step()
     assert torch.allclose(params, reference.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_locked_buffers_bypass_bounce_copies_and_a_small_memlock_limit_is_named(monkeypatch):
+    import pytest
+    handle = deepspeed_compat.new_aio_handle({})
+    buffer = deepspeed_compat.new_locked_buffer(handle, 1 << 20)
+    if buffer is not None:  # the CPU accelerator: locked by the handle, page-aligned
+        assert buffer.data_ptr() % 4096 == 0 and buffer.numel() == 1 << 20
+        deepspeed_compat.free_locked_buffer(handle, buffer)
+    monkeypatch.setattr(deepspeed_compat.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(deepspeed_compat.resource, "getrlimit", lambda _: (8 << 20, 8 << 20))
+    with pytest.raises(MemoryError, match=r"memlock limit is 8388608 bytes: raise it \(ulimit -l"):
+        deepspeed_compat._check_memlock(64 << 20)
+    deepspeed_compat._check_memlock(1 << 20)  # within the limit: fine
