@@ -229,7 +229,8 @@ class SsdStore:
             if result < 0:
                 # Complete whatever is in flight (a handle destroyed with pending ops aborts the
                 # process); none of it is trusted after a failed submission.
-                self._handle.wait()
+                if self._in_flight or transfer.num_ops:
+                    self._handle.wait()
                 for abandoned in self._in_flight + [transfer]:
                     if abandoned.kind == "write":
                         abandoned.region.generation -= 1
