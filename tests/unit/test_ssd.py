@@ -116,3 +116,16 @@ def test_a_killed_owner_frees_the_folder(tmp_path):
     holder.kill()
     holder.wait()
     SwapFolderLock(str(tmp_path)).release()
+
+
+def test_a_transfer_that_cannot_start_names_the_file_and_leaves_nothing_in_flight(store):
+    kept = store.create_region("kept", 8_192, "param")
+    buffer = store.new_buffer(kept)
+    store.write(kept, buffer)
+    store.start_read(kept, store.new_buffer(kept))  # in flight when the next submission fails
+    gone = store.create_region("gone", 8_192, "param")
+    os.remove(gone.path)
+    with pytest.raises(SsdIoError, match=f"aio read of .* of {gone.path} could not start"):
+        store.start_read(gone, store.new_buffer(gone))
+    assert not store.read_in_flight
+    store.read(kept, buffer)  # the store still works
