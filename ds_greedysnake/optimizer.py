@@ -90,7 +90,6 @@ class LayerwiseAdam(torch.optim.Optimizer):
         self._next_task_id = 0
         largest = max(layer.shard_numel for layer in layers)
         self._state_buffer = store.buffer(padded_size(12 * largest))
-        self._grad_buffer = store.buffer(padded_size(4 * largest))
         self.arena = GradientArena.create([layer.shard_numel for layer in layers], gradient_host_bytes)
         for layer in layers:
             self._state_regions.append([store.create_region(f"opt_l{layer.index}_s{slot}", 12 * layer.shard_numel,
@@ -98,11 +97,15 @@ class LayerwiseAdam(torch.optim.Optimizer):
             if not self.arena.holds(layer.index):
                 self._grad_regions[layer.index] = store.create_region(f"grad_l{layer.index}", 4 * layer.shard_numel,
                                                                       "grad")
+        # Staging for gradients that go through SSD: none when every layer has a host slot.
+        largest_ssd_grad = max((layers[index].shard_numel for index in self._grad_regions), default=0)
+        self._grad_buffer = store.buffer(padded_size(4 * largest_ssd_grad)) if largest_ssd_grad else None
         if overlap:
             self.updater: Updater = WorkerUpdater(store.counters, store.folder, store.ds_config, hyper, adamw_mode,
-                                                  largest, worker_threads, self.arena)
+                                                  largest, largest_ssd_grad, worker_threads, self.arena)
         else:
-            self.updater = InlineUpdater(store, CpuAdamKernel(hyper, adamw_mode), largest, self.arena)
+            self.updater = InlineUpdater(store, CpuAdamKernel(hyper, adamw_mode), largest, largest_ssd_grad,
+                                         self.arena)
 
     @property
     def needs_every_gradient_first(self) -> bool:

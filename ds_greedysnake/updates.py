@@ -68,11 +68,13 @@ def plan_write(region: Region) -> Region:
 
 
 class UpdateBuffers:
-    """Aligned host buffers of ``store`` for the largest layer; one set per executing process."""
+    """Aligned host buffers of ``store`` for the largest layer; one set per executing process. The
+    gradient buffer is sized for the largest layer whose gradient comes through SSD (none when every
+    gradient is in the shared host arena)."""
 
-    def __init__(self, store: SsdStore, largest_numel: int):
+    def __init__(self, store: SsdStore, largest_numel: int, largest_ssd_grad_numel: int):
         self.state = store.buffer(padded_size(12 * largest_numel))
-        self.grad = store.buffer(padded_size(4 * largest_numel))
+        self.grad = store.buffer(padded_size(4 * largest_ssd_grad_numel)) if largest_ssd_grad_numel else None
         self.params = store.buffer(padded_size(4 * largest_numel))
 
 
@@ -166,10 +168,11 @@ class Updater:
 class InlineUpdater(Updater):
     """Runs each update at submission, in this process: the non-overlapped step."""
 
-    def __init__(self, store: SsdStore, kernel: CpuAdamKernel, largest_numel: int, arena: GradientArena):
+    def __init__(self, store: SsdStore, kernel: CpuAdamKernel, largest_numel: int, largest_ssd_grad_numel: int,
+                 arena: GradientArena):
         super().__init__(store.counters)
         self._store, self._kernel, self._arena = store, kernel, arena
-        self._buffers = UpdateBuffers(store, largest_numel)
+        self._buffers = UpdateBuffers(store, largest_numel, largest_ssd_grad_numel)
 
     def submit(self, task: UpdateTask) -> UpdateHandle:
         handle = UpdateHandle(self, task)
@@ -190,12 +193,13 @@ class InlineUpdater(Updater):
 def worker_main(task_fd: int, result_fd: int) -> None:
     """The worker process: set up from the first message, then run tasks in order until ``None``."""
     tasks, results = Connection(task_fd, writable=False), Connection(result_fd, readable=False)
-    folder, ds_config, hyper, adamw_mode, largest_numel, num_threads, arena_layout = tasks.recv()
+    folder, ds_config, hyper, adamw_mode, largest_numel, largest_ssd_grad_numel, num_threads, arena_layout = \
+        tasks.recv()
     torch.set_num_threads(num_threads)
     store = SsdStore(folder, ds_config, IoCounters(), "worker")
     arena = GradientArena.attach(*arena_layout)
     kernel = CpuAdamKernel(hyper, adamw_mode)
-    buffers = UpdateBuffers(store, largest_numel)
+    buffers = UpdateBuffers(store, largest_numel, largest_ssd_grad_numel)
     results.send("ready")
     while True:
         try:
@@ -223,7 +227,8 @@ class WorkerUpdater(Updater):
     """
 
     def __init__(self, counters: IoCounters, folder: str, ds_config: dict, hyper: AdamHyperparameters,
-                 adamw_mode: bool, largest_numel: int, num_threads: int, arena: GradientArena,
+                 adamw_mode: bool, largest_numel: int, largest_ssd_grad_numel: int, num_threads: int,
+                 arena: GradientArena,
                  start_timeout: float = 300.0):
         super().__init__(counters)
         task_read, task_write = os.pipe()
@@ -235,7 +240,7 @@ class WorkerUpdater(Updater):
         os.close(result_write)
         self._tasks = Connection(task_write, readable=False)
         self._results = Connection(result_read, writable=False)
-        self._tasks.send((folder, ds_config, hyper, adamw_mode, largest_numel, num_threads,
+        self._tasks.send((folder, ds_config, hyper, adamw_mode, largest_numel, largest_ssd_grad_numel, num_threads,
                           (arena.slot_offsets, arena.total_bytes, arena.fd)))
         self._receive(timeout=start_timeout, expecting="the worker to start")
 

@@ -12,7 +12,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 
