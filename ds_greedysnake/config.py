@@ -37,6 +37,16 @@ class GreedySnakeConfig(DeepSpeedConfigModel):
     a synchronous write. Layers are given a slot from the last one down while they fit; the others
     write their gradient to SSD. 0 sends every gradient through SSD."""
 
+    optimizer_host_memory_mb: float = Field(1024.0, ge=0)
+    """Host memory (MiB), shared with the optimizer worker, that keeps the optimizer states (fp32
+    master and both Adam moments, 12 bytes per parameter of this rank's shard) of the front layers
+    instead of SSD. Only layers updated after the step's decision are eligible (the front
+    ``deferred_layers``; every layer with ``optimizer_overlap`` off or gradient clipping on): they
+    are updated in place, while a speculative update needs SSD's second slot to be discardable.
+    Layers are given a slot from layer 0 up while they fit. Their update then reads and writes no
+    state on SSD, which matters most for the layers the next forward waits on first. 0 keeps every
+    state on SSD."""
+
     fp32_grad_accumulation: bool = True
     """Accumulate each layer's gradient over the micro-batches in fp32, whatever the compute
     dtype. Only matters under bf16; fp32 training always accumulates in fp32."""
