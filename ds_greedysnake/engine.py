@@ -15,6 +15,7 @@ from .deepspeed_compat import EngineBase, accelerator_device
 from .executor import Executor, StepResult
 from .layer import BufferPool, LayerOwner
 from .parallel import DataParallel
+from .schedule import layers_updated_after_decision
 from .model_split import plan_split
 from .optimizer import LayerwiseAdam
 from .ssd import IoCounters, SsdStore, SwapFolderLock, padded_size
@@ -95,10 +96,12 @@ class GreedySnakeEngine(EngineBase):
             raise ValueError(f"greedysnake.deferred_layers ({deferred}) exceeds the model's {num_layers} layers: "
                              f"use at most {num_layers}, or leave it unset")
         overlap = setup.config.optimizer_overlap
-        optimizer = LayerwiseAdam(self.layers, optimizer_store, self.ds_config_dict,
-                                  float(self.gradient_clipping() or 0.0), overlap,
+        clipping = float(self.gradient_clipping() or 0.0)
+        optimizer = LayerwiseAdam(self.layers, optimizer_store, self.ds_config_dict, clipping, overlap,
                                   setup.config.optimizer_worker_threads, self.parallel,
-                                  int(setup.config.gradient_host_memory_mb * 2**20))
+                                  int(setup.config.gradient_host_memory_mb * 2**20),
+                                  int(setup.config.optimizer_host_memory_mb * 2**20),
+                                  layers_updated_after_decision(num_layers, overlap, deferred, clipping > 0))
         # Two buffers: the layer computing and the one being prefetched; a third for a lender resident
         # with its borrower (tied embeddings: layer 0 stays with the head).
         pool = BufferPool(param_store, max(padded_size(layer.shard_bytes) for layer in self.layers),

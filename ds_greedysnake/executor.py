@@ -11,7 +11,7 @@ from .activations import ActivationStore
 from .layer import LayerOwner
 from .optimizer import LayerwiseAdam, StepDecision
 from .rng import RngState, capture_rng_state, replaying
-from .schedule import Op, OpKind, build_step_schedule
+from .schedule import Op, OpKind, build_step_schedule, layers_updated_after_decision
 
 MicroBatch = Tuple[torch.Tensor, torch.Tensor]  # (inputs, labels), already on the device
 
@@ -37,9 +37,9 @@ class Executor:
         self.grad_accumulate_dtype = grad_accumulate_dtype
         self.prefetch = prefetch
         self.overlap = overlap
-        if optimizer.needs_every_gradient_first:
-            deferred_layers = len(layers)  # exactness: nothing may be updated before the global norm is known
-        self.deferred_layers = deferred_layers
+        # Exactness under clipping: nothing may be updated before the global norm is known.
+        self.deferred_layers = layers_updated_after_decision(len(layers), overlap, deferred_layers,
+                                                             optimizer.needs_every_gradient_first)
         self._schedules: Dict[int, List[Op]] = {}
         # The random state each (layer, micro-batch) forward started from: its recompute replays it (dropout).
         self._rng_states: Dict[Tuple[int, int], RngState] = {}

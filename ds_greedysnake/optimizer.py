@@ -2,11 +2,15 @@
 
 Per layer, two SSD slots each hold [fp32 master | exp_avg | exp_avg_sq]; the fp32 gradient
 accumulated over the step goes to the update through host memory shared with the worker
-(``host_grads.py``) for the layers that fit ``gradient_host_memory_mb``, and through one SSD region
+(``host_memory.py``) for the layers that fit ``gradient_host_memory_mb``, and through one SSD region
 for the others. An update reads the committed slot and writes the other
 one (and the layer's other parameter slot), so an update made before the step's global decision
 (speculative, during backward) is committed by flipping the slot, or discarded by not flipping it:
 a skipped step leaves every layer exactly as it was.
+
+Front layers that are only updated after the decision may instead keep their states in one slot of
+shared host memory (``optimizer_host_memory_mb``), updated in place: no state goes through SSD for
+them, and the next forward, which waits for those updates first, waits less.
 
 The global part of a step (gradient norm, non-finite skip, clip coefficient, learning rate and
 step count) needs every layer's gradient and is decided once, in ``decide_step``.
@@ -19,11 +23,12 @@ import torch
 
 from .checkpoint import LayerState
 from .deepspeed_compat import AdamHyperparameters, CpuAdamKernel
-from .host_grads import GradientArena
+from .host_memory import HostArena, SharedHostMemory
 from .layer import LayerOwner
 from .parallel import DataParallel
 from .ssd import Region, SsdStore, padded_size
-from .updates import InlineUpdater, ReplayTask, UpdateHandle, Updater, UpdateTask, WorkerUpdater, plan_write
+from .updates import (BufferSizes, InlineUpdater, ReplayTask, UpdateHandle, Updater, UpdateTask, WorkerUpdater,
+                      plan_write)
 
 _KNOWN_ADAM_PARAMS = {"lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode", "torch_adam"}
 
@@ -71,7 +76,7 @@ class LayerwiseAdam(torch.optim.Optimizer):
 
     def __init__(self, layers: List[LayerOwner], store: SsdStore, ds_config: Dict[str, Any],
                  gradient_clipping: float, overlap: bool, worker_threads: int, parallel: DataParallel,
-                 gradient_host_bytes: int):
+                 gradient_host_bytes: int, optimizer_host_bytes: int = 0, post_decision_layers: int = 0):
         hyper, adamw_mode = adam_settings(ds_config["optimizer"])
         defaults = {"lr": hyper.lr, "betas": (hyper.beta1, hyper.beta2), "eps": hyper.eps,
                     "weight_decay": hyper.weight_decay, "bias_correction": hyper.bias_correction}
@@ -82,30 +87,38 @@ class LayerwiseAdam(torch.optim.Optimizer):
         self.skipped_steps = 0
         self._layers = layers
         self._store = store
-        self._state_regions: List[List[Region]] = []
+        self._state_regions: Dict[int, List[Region]] = {}  # layers whose states are on SSD
         self._state_slot: List[int] = [0] * len(layers)
         self._grad_regions: Dict[int, Region] = {}  # layers whose gradient goes through SSD
         self._grad_sq_norms: List[Optional[float]] = [None] * len(layers)
         self._speculative: Dict[int, Tuple[UpdateHandle, int, int]] = {}
         self._next_task_id = 0
-        largest = max(layer.shard_numel for layer in layers)
-        self._state_buffer = store.buffer(padded_size(12 * largest))
-        self.arena = GradientArena.create([layer.shard_numel for layer in layers], gradient_host_bytes)
+        shard_numels = [layer.shard_numel for layer in layers]
+        # Only layers never updated speculatively may keep their states in one, in-place, host slot.
+        self.host = SharedHostMemory(HostArena.for_gradients(shard_numels, gradient_host_bytes),
+                                     HostArena.for_optimizer_states(shard_numels, post_decision_layers,
+                                                                    optimizer_host_bytes))
         for layer in layers:
-            self._state_regions.append([store.create_region(f"opt_l{layer.index}_s{slot}", 12 * layer.shard_numel,
-                                                            "optimizer") for slot in (0, 1)])
-            if not self.arena.holds(layer.index):
+            if not self.host.optimizer_states.holds(layer.index):
+                self._state_regions[layer.index] = [
+                    store.create_region(f"opt_l{layer.index}_s{slot}", 12 * layer.shard_numel, "optimizer")
+                    for slot in (0, 1)]
+            if not self.host.gradients.holds(layer.index):
                 self._grad_regions[layer.index] = store.create_region(f"grad_l{layer.index}", 4 * layer.shard_numel,
                                                                       "grad")
-        # Staging for gradients that go through SSD: none when every layer has a host slot.
-        largest_ssd_grad = max((layers[index].shard_numel for index in self._grad_regions), default=0)
-        self._grad_buffer = store.buffer(padded_size(4 * largest_ssd_grad)) if largest_ssd_grad else None
+        # Staging for states and gradients that go through SSD: none when every layer has a host slot.
+        sizes = BufferSizes(max(shard_numels),
+                            max((shard_numels[index] for index in self._state_regions), default=0),
+                            max((shard_numels[index] for index in self._grad_regions), default=0))
+        self._state_buffer = (store.buffer(padded_size(12 * sizes.largest_ssd_state_numel))
+                              if sizes.largest_ssd_state_numel else None)
+        self._grad_buffer = (store.buffer(padded_size(4 * sizes.largest_ssd_grad_numel))
+                             if sizes.largest_ssd_grad_numel else None)
         if overlap:
             self.updater: Updater = WorkerUpdater(store.counters, store.folder, store.ds_config, hyper, adamw_mode,
-                                                  largest, largest_ssd_grad, worker_threads, self.arena)
+                                                  sizes, worker_threads, self.host)
         else:
-            self.updater = InlineUpdater(store, CpuAdamKernel(hyper, adamw_mode), largest, largest_ssd_grad,
-                                         self.arena)
+            self.updater = InlineUpdater(store, CpuAdamKernel(hyper, adamw_mode), sizes, self.host)
 
     @property
     def needs_every_gradient_first(self) -> bool:
@@ -114,17 +127,17 @@ class LayerwiseAdam(torch.optim.Optimizer):
 
     def initialise_layer(self, layer: LayerOwner, master: torch.Tensor) -> None:
         """Write the fp32 master weights and zero moments of a layer before its first step."""
-        states = self._state_buffer[:12 * layer.shard_numel].view(torch.float32)
+        states = self._committed_states_view(layer)
         states[:layer.shard_numel].copy_(master)
         states[layer.shard_numel:].zero_()
-        self._store.write(self._state_regions[layer.index][0], self._state_buffer)
+        self._write_committed_states(layer)
 
     def receive_gradient(self, layer: LayerOwner, grads: torch.Tensor) -> None:
         """Take this rank's shard of a layer's gradient for this step (once per step): into the layer's
         shared host slot, or to SSD."""
-        on_host = self.arena.holds(layer.index)
+        on_host = self.host.gradients.holds(layer.index)
         if on_host:
-            host_grads = self.arena.slot(layer.index, layer.shard_numel)
+            host_grads = self.host.gradients.slot(layer.index, layer.shard_numel)
         else:
             host_grads = self._grad_buffer[:4 * layer.shard_numel].view(torch.float32)
         host_grads.copy_(grads)
@@ -164,12 +177,18 @@ class LayerwiseAdam(torch.optim.Optimizer):
         """Submit the per-layer part: Adam on the committed slot, results into the other slots."""
         if decision.skipped:
             return
-        state_slot = 1 - self._state_slot[layer.index]
+        if layer.index in self._state_regions:
+            state_slot = 1 - self._state_slot[layer.index]
+            state_in = self._state_regions[layer.index][self._state_slot[layer.index]]
+            state_out = plan_write(self._state_regions[layer.index][state_slot])
+        else:
+            # In host memory, updated in place: it could not be discarded.
+            assert not speculative, f"layer {layer.index} keeps its states in host memory but was updated speculatively"
+            state_slot, state_in, state_out = self._state_slot[layer.index], None, None
         param_slot = 1 - layer.param_slot
         self._next_task_id += 1
         task = UpdateTask(self._next_task_id, layer.index, layer.shard_numel, layer.compute_dtype,
-                          state_in=self._state_regions[layer.index][self._state_slot[layer.index]],
-                          state_out=plan_write(self._state_regions[layer.index][state_slot]),
+                          state_in=state_in, state_out=state_out,
                           grad=self._grad_regions.get(layer.index),
                           param_out=plan_write(layer.param_regions[param_slot]),
                           step=decision.step, hyper=decision.hyper, clip_coefficient=decision.clip_coefficient)
@@ -195,8 +214,9 @@ class LayerwiseAdam(torch.optim.Optimizer):
     def read_layer_state(self, layer: LayerOwner) -> LayerState:
         """Copies of a layer's committed fp32 master weights and Adam moments."""
         self.flush()
-        self._store.read(self._state_regions[layer.index][self._state_slot[layer.index]], self._state_buffer)
-        states = self._state_buffer[:12 * layer.shard_numel].view(torch.float32)
+        if layer.index in self._state_regions:
+            self._store.read(self._state_regions[layer.index][self._state_slot[layer.index]], self._state_buffer)
+        states = self._committed_states_view(layer)
         return LayerState(*(part.clone() for part in states.split(layer.shard_numel)))
 
     def restore_layer(self, layer: LayerOwner, state: LayerState, with_moments: bool) -> None:
@@ -206,11 +226,25 @@ class LayerwiseAdam(torch.optim.Optimizer):
             state = LayerState(state.master, current.exp_avg, current.exp_avg_sq)
         self.flush()
         layer.wait_for_update()
-        states = self._state_buffer[:12 * layer.shard_numel].view(torch.float32)
+        states = self._committed_states_view(layer)
         for part, value in zip(states.split(layer.shard_numel), (state.master, state.exp_avg, state.exp_avg_sq)):
             part.copy_(value)
-        self._store.write(self._state_regions[layer.index][self._state_slot[layer.index]], self._state_buffer)
+        self._write_committed_states(layer)
         layer.overwrite_weights(state.master)
+
+    def states_in_host_memory(self, layer: LayerOwner) -> bool:
+        return layer.index not in self._state_regions
+
+    def _committed_states_view(self, layer: LayerOwner) -> torch.Tensor:
+        """Where a layer's [master | exp_avg | exp_avg_sq] is handled in this process: its host slot, or
+        the staging buffer of its SSD slot (read or written by the caller)."""
+        if layer.index in self._state_regions:
+            return self._state_buffer[:12 * layer.shard_numel].view(torch.float32)
+        return self.host.optimizer_states.slot(layer.index, 3 * layer.shard_numel)
+
+    def _write_committed_states(self, layer: LayerOwner) -> None:
+        if layer.index in self._state_regions:
+            self._store.write(self._state_regions[layer.index][self._state_slot[layer.index]], self._state_buffer)
 
     def counters_state(self) -> Dict[str, Any]:
         return {"step_count": self.step_count, "skipped_steps": self.skipped_steps,
@@ -225,7 +259,7 @@ class LayerwiseAdam(torch.optim.Optimizer):
 
     def close(self) -> None:
         self.updater.close()
-        self.arena.close()
+        self.host.close()
 
     def _commit(self, layer: LayerOwner, handle: UpdateHandle, state_slot: int, param_slot: int) -> None:
         # Readers wait on the handle before they read the slots committed here.

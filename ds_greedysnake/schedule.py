@@ -100,6 +100,16 @@ def build_step_schedule(num_layers: int, num_micro_batches: int, prefetch: bool 
     return ops
 
 
+def layers_updated_after_decision(num_layers: int, overlap: bool, deferred_layers: Optional[int],
+                                  every_gradient_first: bool) -> int:
+    """How many front layers (0 .. k-1) are only ever updated after the step's decision, never
+    speculatively: every layer without the overlap or when the decision needs every gradient first
+    (clipping), else the deferred ones."""
+    if not overlap or every_gradient_first:
+        return num_layers
+    return default_deferred_layers(num_layers) if deferred_layers is None else deferred_layers
+
+
 def default_deferred_layers(num_layers: int) -> int:
     """A quarter of the layers, at least one (the reference defers a quarter of each layer's parameters)."""
     return max(1, round(0.25 * num_layers))

@@ -1,7 +1,8 @@
 """Per-layer Adam updates, run inline or in a worker process, each with a completion handle.
 
 An update is plain data (``UpdateTask``): which regions to read (fp32 master, moments, gradient),
-which to write (the other state slot, the other parameter slot) and the step's decision. The same
+which to write (the other state slot, the other parameter slot) and the step's decision. States and
+gradients kept in host memory shared with the worker (``host_memory.py``) are named by the layer. The same
 ``execute_update`` runs it in the main process (overlap off) or in a worker process (overlap on):
 DeepSpeedCPUAdam holds the GIL, so a thread would block training, while a process runs truly in
 parallel with its own aio handle (the aio handle and buffers are not shared between processes).
@@ -14,12 +15,12 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, NamedTuple, Optional
 
 import torch
 
 from .deepspeed_compat import AdamHyperparameters, CpuAdamKernel
-from .host_grads import GradientArena
+from .host_memory import SharedHostMemory
 from .ssd import IoCounters, Region, SsdStore, padded_size
 
 _WORKER_POLL_SECONDS = 1.0
@@ -31,8 +32,8 @@ class UpdateTask:
     layer: int
     numel: int
     compute_dtype: torch.dtype
-    state_in: Region       # [fp32 master | exp_avg | exp_avg_sq] as committed
-    state_out: Region      # the other slot, written with the updated states
+    state_in: Optional[Region]   # [fp32 master | exp_avg | exp_avg_sq] as committed; None: in host memory
+    state_out: Optional[Region]  # the other slot, written with the updated states; None: updated in place
     grad: Optional[Region]  # fp32 gradient accumulated over the step; None: in the layer's arena slot
     param_out: Region      # the layer's other parameter slot, written in the compute dtype
     step: int
@@ -56,6 +57,13 @@ class UpdateResult:
     error: Optional[str] = None
 
 
+class BufferSizes(NamedTuple):
+    """Element counts the update buffers are sized for (see ``UpdateBuffers``)."""
+    largest_numel: int
+    largest_ssd_state_numel: int
+    largest_ssd_grad_numel: int
+
+
 def plan_write(region: Region) -> Region:
     """The copy of ``region`` a task carries; the caller's copy moves to the generation the write will stamp.
 
@@ -68,36 +76,43 @@ def plan_write(region: Region) -> Region:
 
 
 class UpdateBuffers:
-    """Aligned host buffers of ``store`` for the largest layer; one set per executing process. The
-    gradient buffer is sized for the largest layer whose gradient comes through SSD (none when every
-    gradient is in the shared host arena)."""
+    """Aligned host buffers of ``store`` for the largest layer; one set per executing process. The state
+    and gradient buffers are sized for the largest layer whose states / gradient go through SSD (none
+    when every layer has a slot in the shared host arena)."""
 
-    def __init__(self, store: SsdStore, largest_numel: int, largest_ssd_grad_numel: int):
-        self.state = store.buffer(padded_size(12 * largest_numel))
+    def __init__(self, store: SsdStore, largest_numel: int, largest_ssd_state_numel: int,
+                 largest_ssd_grad_numel: int):
+        self.state = store.buffer(padded_size(12 * largest_ssd_state_numel)) if largest_ssd_state_numel else None
         self.grad = store.buffer(padded_size(4 * largest_ssd_grad_numel)) if largest_ssd_grad_numel else None
         self.params = store.buffer(padded_size(4 * largest_numel))
 
 
 def execute_update(task: UpdateTask, store: SsdStore, kernel: CpuAdamKernel, buffers: UpdateBuffers,
-                   arena: GradientArena) -> UpdateResult:
+                   host: SharedHostMemory) -> UpdateResult:
     started = time.perf_counter()
     read_before = sum(store.counters.bytes_read.values())
     written_before = sum(store.counters.bytes_written.values())
+    assert (task.state_in is None) == (task.state_out is None), task
     # Both reads in flight together, then both writes: the SSD sees deep queues.
-    store.start_read(task.state_in, buffers.state)
+    if task.state_in is not None:
+        store.start_read(task.state_in, buffers.state)
     if task.grad is not None:
         store.start_read(task.grad, buffers.grad)
     store.wait()
-    states = buffers.state[:12 * task.numel].view(torch.float32)
+    if task.state_in is not None:
+        states = buffers.state[:12 * task.numel].view(torch.float32)
+    else:
+        states = host.optimizer_states.slot(task.layer, 3 * task.numel)
     master, exp_avg, exp_avg_sq = states[:task.numel], states[task.numel:2 * task.numel], states[2 * task.numel:]
     if task.grad is not None:
         grads = buffers.grad[:4 * task.numel].view(torch.float32)
     else:
-        grads = arena.slot(task.layer, task.numel)
+        grads = host.gradients.slot(task.layer, task.numel)
     if task.clip_coefficient != 1.0:
         grads.mul_(task.clip_coefficient)
     kernel.update(task.step, task.hyper, master, grads, exp_avg, exp_avg_sq)
-    store.start_write(task.state_out, buffers.state)
+    if task.state_out is not None:
+        store.start_write(task.state_out, buffers.state)
     element_bytes = torch.empty(0, dtype=task.compute_dtype).element_size()
     buffers.params[:element_bytes * task.numel].view(task.compute_dtype).copy_(master)
     store.start_write(task.param_out, buffers.params)
@@ -168,16 +183,15 @@ class Updater:
 class InlineUpdater(Updater):
     """Runs each update at submission, in this process: the non-overlapped step."""
 
-    def __init__(self, store: SsdStore, kernel: CpuAdamKernel, largest_numel: int, largest_ssd_grad_numel: int,
-                 arena: GradientArena):
+    def __init__(self, store: SsdStore, kernel: CpuAdamKernel, sizes: "BufferSizes", host: SharedHostMemory):
         super().__init__(store.counters)
-        self._store, self._kernel, self._arena = store, kernel, arena
-        self._buffers = UpdateBuffers(store, largest_numel, largest_ssd_grad_numel)
+        self._store, self._kernel, self._host = store, kernel, host
+        self._buffers = UpdateBuffers(store, *sizes)
 
     def submit(self, task: UpdateTask) -> UpdateHandle:
         handle = UpdateHandle(self, task)
         started = time.perf_counter()
-        result = execute_update(task, self._store, self._kernel, self._buffers, self._arena)
+        result = execute_update(task, self._store, self._kernel, self._buffers, self._host)
         self.wait_seconds += time.perf_counter() - started
         handle.result = result
         self.update_seconds += result.seconds
@@ -193,13 +207,12 @@ class InlineUpdater(Updater):
 def worker_main(task_fd: int, result_fd: int) -> None:
     """The worker process: set up from the first message, then run tasks in order until ``None``."""
     tasks, results = Connection(task_fd, writable=False), Connection(result_fd, readable=False)
-    folder, ds_config, hyper, adamw_mode, largest_numel, largest_ssd_grad_numel, num_threads, arena_layout = \
-        tasks.recv()
+    folder, ds_config, hyper, adamw_mode, sizes, num_threads, host_layouts = tasks.recv()
     torch.set_num_threads(num_threads)
     store = SsdStore(folder, ds_config, IoCounters(), "worker")
-    arena = GradientArena.attach(*arena_layout)
+    host = SharedHostMemory.attach(host_layouts)
     kernel = CpuAdamKernel(hyper, adamw_mode)
-    buffers = UpdateBuffers(store, largest_numel, largest_ssd_grad_numel)
+    buffers = UpdateBuffers(store, *sizes)
     results.send("ready")
     while True:
         try:
@@ -212,7 +225,7 @@ def worker_main(task_fd: int, result_fd: int) -> None:
             kernel.replay_steps(task.last_step, task.hyper)
             continue
         try:
-            result = execute_update(task, store, kernel, buffers, arena)
+            result = execute_update(task, store, kernel, buffers, host)
         except Exception:  # reported to the training process, which raises it with the layer named
             result = UpdateResult(task.task_id, 0.0, 0, 0, traceback.format_exc())
         results.send(result)
@@ -227,21 +240,19 @@ class WorkerUpdater(Updater):
     """
 
     def __init__(self, counters: IoCounters, folder: str, ds_config: dict, hyper: AdamHyperparameters,
-                 adamw_mode: bool, largest_numel: int, largest_ssd_grad_numel: int, num_threads: int,
-                 arena: GradientArena,
+                 adamw_mode: bool, sizes: "BufferSizes", num_threads: int, host: SharedHostMemory,
                  start_timeout: float = 300.0):
         super().__init__(counters)
         task_read, task_write = os.pipe()
         result_read, result_write = os.pipe()
-        shared_fds = (task_read, result_write) + ((arena.fd,) if arena.fd is not None else ())
+        shared_fds = (task_read, result_write) + host.fds()
         self._process = subprocess.Popen([sys.executable, "-m", "ds_greedysnake.update_worker", str(task_read),
                                           str(result_write)], pass_fds=shared_fds)
         os.close(task_read)
         os.close(result_write)
         self._tasks = Connection(task_write, readable=False)
         self._results = Connection(result_read, writable=False)
-        self._tasks.send((folder, ds_config, hyper, adamw_mode, largest_numel, largest_ssd_grad_numel, num_threads,
-                          (arena.slot_offsets, arena.total_bytes, arena.fd)))
+        self._tasks.send((folder, ds_config, hyper, adamw_mode, tuple(sizes), num_threads, host.layouts()))
         self._receive(timeout=start_timeout, expecting="the worker to start")
 
     def submit(self, task: UpdateTask) -> UpdateHandle:

@@ -178,7 +178,8 @@ def main(argv=None):
                                         "ssd_region_mib": 64 if args.quick else 256,
                                         "ssd_repeats": 3 if args.quick else 5,
                                         "adam_numel": (1 << 23) if args.quick else (1 << 24),
-                                        "compute_repeats": 4 if args.quick else 6}, args, "machine")
+                                        "compute_repeats": 4 if args.quick else 6, "micro_batches": sweep},
+                           args, "machine")
         runs = []
         for name, model_spec, m, world_size in cells(configs, sweep, args):
             for engine in args.engines:

@@ -115,6 +115,9 @@ def run_engine(spec: dict) -> dict:
         "steps": steps, "ds_config": ds, "torch_threads": torch.get_num_threads(),
     }
     if engine_name == "greedysnake":
+        # Parameters whose optimizer states stay in host memory (optimizer_host_memory_mb): no SSD bytes.
+        result["host_state_parameters"] = sum(layer.numel for layer in engine.layers
+                                              if engine.optimizer.states_in_host_memory(layer))
         result["worker_read_bytes_per_step"] = median("worker_read_bytes")
         result["worker_write_bytes_per_step"] = median("worker_write_bytes")
         ops = {}
@@ -212,8 +215,47 @@ def measure_machine(spec: dict) -> dict:
             forward_backward.append(time.perf_counter() - started)
             model.zero_grad(set_to_none=False)  # reuse the gradient buffers, as the engines do
         # The fastest repeat: the roofline is the best the machine does (this machine is shared and noisy).
-        result["compute"][name] = {"forward_s": min(forward[1:]), "forward_backward_s": min(forward_backward[1:])}
+        result["compute"][name] = {"forward_s": min(forward[1:]), "forward_backward_s": min(forward_backward[1:]),
+                                   "vertical": {}}
+        for m in spec.get("micro_batches", []):
+            result["compute"][name]["vertical"][str(m)] = vertical_compute(model, tokens, m, spec["compute_repeats"])
     return result
+
+
+def vertical_compute(model, tokens, num_micro_batches: int, repeats: int) -> dict:
+    """Plain PyTorch in the vertical order, weights resident: every micro-batch through one layer before
+    the next, then backward layer by layer with a recompute. A layer's weights stay in cache across the
+    micro-batches, so per micro-batch this can beat the whole-model pass; the roofline takes the faster.
+    Seconds per micro-batch, the fastest repeat."""
+    import torch
+    from ds_greedysnake.models.gpt import lm_loss
+
+    layers = list(model)
+    forward, forward_backward = [], []
+    for _ in range(repeats + 1):
+        started = time.perf_counter()
+        inputs = [[tokens] * num_micro_batches]  # inputs[l][mb]: layer l's input
+        with torch.no_grad():
+            for layer in layers[:-1]:
+                inputs.append([layer(value) for value in inputs[-1]])
+        forward.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        output_grads = [None] * num_micro_batches
+        for index in range(len(layers) - 1, -1, -1):
+            for mb in range(num_micro_batches):
+                layer_input = inputs[index][mb]
+                if index > 0:
+                    layer_input = layer_input.detach().requires_grad_(True)
+                output = layers[index](layer_input)
+                if index == len(layers) - 1:
+                    (lm_loss(output, tokens) / num_micro_batches).backward()
+                else:
+                    output.backward(output_grads[mb])
+                output_grads[mb] = layer_input.grad if index > 0 else None
+        forward_backward.append(time.perf_counter() - started)
+        model.zero_grad(set_to_none=False)
+    return {"forward_s": min(forward[1:]) / num_micro_batches,
+            "forward_backward_s": min(forward_backward[1:]) / num_micro_batches}
 
 
 def main(spec_path: str) -> None:

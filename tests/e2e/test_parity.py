@@ -4,6 +4,7 @@ import os
 import pytest
 import torch
 
+from ds_greedysnake.schedule import default_deferred_layers
 from greedysnake_run import run_greedysnake
 from helpers import fresh_model, reference_training, relative_l2, tiny_gpt_config
 
@@ -56,16 +57,38 @@ def test_gradient_paths_change_nothing(tmp_path):
     """Gradients through shared host memory (default), through SSD, or some of each: the same bits."""
     host = run_greedysnake(str(tmp_path / "host"), NUM_MICRO_BATCHES, 2)
     head_mib = 4 * host.engine.layers[-1].shard_numel / 2**20
-    assert host.engine.optimizer.arena.holds(0)
+    assert host.engine.optimizer.host.gradients.holds(0)
     for name, budget in (("ssd", 0), ("mixed", 1.01 * head_mib + 0.01)):
         other = run_greedysnake(str(tmp_path / name), NUM_MICRO_BATCHES, 2,
                                 greedysnake={"gradient_host_memory_mb": budget})
-        arena = other.engine.optimizer.arena
+        arena = other.engine.optimizer.host.gradients
         assert [arena.holds(layer.index) for layer in other.engine.layers][-1] == (name == "mixed")
         assert not arena.holds(0)
         assert other.losses == host.losses
         for key, value in host.masters.items():
             assert torch.equal(value, other.masters[key]), (name, key)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_optimizer_state_paths_change_nothing(tmp_path, overlap):
+    """The front layers' optimizer states in shared host memory (default) or every state on SSD: the
+    same bits, and less SSD traffic for the worker."""
+    runs = {}
+    for name, budget in (("host", 1024.0), ("ssd", 0.0)):
+        runs[name] = run_greedysnake(str(tmp_path / name), NUM_MICRO_BATCHES, 2,
+                                     greedysnake={"optimizer_overlap": overlap, "optimizer_host_memory_mb": budget})
+    layers = runs["host"].engine.layers
+    # Eligible: the layers only updated after the decision (the deferred ones, or all without overlap).
+    eligible = default_deferred_layers(len(layers)) if overlap else len(layers)
+    in_host = [runs["host"].engine.optimizer.states_in_host_memory(layer) for layer in layers]
+    assert in_host == [index < eligible for index in range(len(layers))]
+    assert not any(runs["ssd"].engine.optimizer.states_in_host_memory(layer) for layer in runs["ssd"].engine.layers)
+    assert runs["host"].losses == runs["ssd"].losses
+    for key, value in runs["ssd"].masters.items():
+        assert torch.equal(value, runs["host"].masters[key]), key
+    moved = {name: run.metrics[-1].ssd_bytes_read.get("optimizer_worker" if overlap else "optimizer", 0)
+             for name, run in runs.items()}
+    assert moved["host"] < moved["ssd"], moved
 
 
 def test_blocks_are_really_on_ssd(tmp_path):

@@ -1,10 +1,10 @@
-"""The shared host arena that hands gradients to the optimizer worker without SSD."""
+"""The shared host arenas: gradients handed to the optimizer worker, and front layers' optimizer states."""
 import subprocess
 import sys
 
 import torch
 
-from ds_greedysnake.host_grads import GradientArena
+from ds_greedysnake.host_memory import HostArena
 from ds_greedysnake.ssd import ALIGNMENT
 
 
@@ -12,7 +12,7 @@ def test_slots_go_to_the_last_layers_while_they_fit():
     numels = [1000, 5000, 3000, 2000]
     # Room for the last two layers (2000 and 3000 floats, each rounded up to 4096-byte pages) only.
     budget = 2 * ALIGNMENT + 3 * ALIGNMENT + 100
-    arena = GradientArena.create(numels, budget)
+    arena = HostArena.for_gradients(numels, budget)
     assert sorted(arena.slot_offsets) == [2, 3]
     assert arena.total_bytes <= budget
     arena.slot(3, 2000).fill_(1.0)
@@ -22,17 +22,37 @@ def test_slots_go_to_the_last_layers_while_they_fit():
 
 
 def test_zero_budget_means_no_arena():
-    arena = GradientArena.create([10, 10], 0)
+    arena = HostArena.for_gradients([10, 10], 0)
     assert not arena.holds(0) and not arena.holds(1) and arena.fd is None
     arena.close()
 
 
+def test_state_slots_go_to_the_front_eligible_layers_while_they_fit():
+    numels = [1000, 2000, 3000, 4000]
+    # 12 bytes per parameter: layer 0 takes 3 pages, layer 1 six; layer 2 would need nine more.
+    budget = (3 + 6 + 8) * ALIGNMENT
+    arena = HostArena.for_optimizer_states(numels, eligible_layers=4, budget_bytes=budget)
+    assert sorted(arena.slot_offsets) == [0, 1]
+    arena.slot(0, 3 * 1000).fill_(1.0)
+    arena.slot(1, 3 * 2000).fill_(2.0)
+    assert float(arena.slot(0, 3 * 1000).sum()) == 3000.0, "slots must not overlap"
+    arena.close()
+    # Only layers updated after the decision are eligible, however large the budget.
+    only_front = HostArena.for_optimizer_states(numels, eligible_layers=1, budget_bytes=1 << 30)
+    assert sorted(only_front.slot_offsets) == [0]
+    only_front.close()
+    # The first layer that does not fit ends the run: no later, smaller layer is taken instead.
+    big_front = HostArena.for_optimizer_states([4000, 10], eligible_layers=2, budget_bytes=ALIGNMENT)
+    assert big_front.slot_offsets == {} and big_front.fd is None
+    big_front.close()
+
+
 def test_another_process_sees_the_gradient():
-    arena = GradientArena.create([4096], 1 << 20)
+    arena = HostArena.for_gradients([4096], 1 << 20)
     arena.slot(0, 4096).copy_(torch.arange(4096, dtype=torch.float32))
     reader = ("import sys, torch; sys.path.insert(0, sys.argv[1]); "
-              "from ds_greedysnake.host_grads import GradientArena; "
-              "arena = GradientArena.attach({0: 0}, int(sys.argv[2]), int(sys.argv[3])); "
+              "from ds_greedysnake.host_memory import HostArena; "
+              "arena = HostArena.attach({0: 0}, int(sys.argv[2]), int(sys.argv[3])); "
               "print(float(arena.slot(0, 4096).sum()))")
     import os
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
