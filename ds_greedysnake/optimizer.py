@@ -27,6 +27,7 @@ from .host_memory import HostArena, SharedHostMemory
 from .layer import LayerOwner
 from .parallel import DataParallel
 from .ssd import Region, SsdStore, padded_size
+from .update_pipeline import STATE_PIECE_NUMEL, piece_ranges
 from .updates import (BufferSizes, InlineUpdater, ReplayTask, UpdateHandle, Updater, UpdateTask, WorkerUpdater,
                       plan_write)
 
@@ -98,20 +99,24 @@ class LayerwiseAdam(torch.optim.Optimizer):
         self.host = SharedHostMemory(HostArena.for_gradients(shard_numels, gradient_host_bytes),
                                      HostArena.for_optimizer_states(shard_numels, post_decision_layers,
                                                                     optimizer_host_bytes))
+        self._piece_numel = STATE_PIECE_NUMEL
         for layer in layers:
             if not self.host.optimizer_states.holds(layer.index):
+                # Per slot, the pieces the update pipeline streams (update_pipeline.py).
                 self._state_regions[layer.index] = [
-                    store.create_region(f"opt_l{layer.index}_s{slot}", 12 * layer.shard_numel, "optimizer")
+                    [store.create_region(f"opt_l{layer.index}_s{slot}_p{piece}", 12 * (stop - start), "optimizer")
+                     for piece, (start, stop) in enumerate(piece_ranges(layer.shard_numel, self._piece_numel))]
                     for slot in (0, 1)]
             if not self.host.gradients.holds(layer.index):
                 self._grad_regions[layer.index] = store.create_region(f"grad_l{layer.index}", 4 * layer.shard_numel,
                                                                       "grad")
         # Staging for states and gradients that go through SSD: none when every layer has a host slot.
         sizes = BufferSizes(max(shard_numels),
-                            max((shard_numels[index] for index in self._state_regions), default=0),
+                            min(self._piece_numel, max((shard_numels[index] for index in self._state_regions),
+                                                       default=0)),
                             max((shard_numels[index] for index in self._grad_regions), default=0))
-        self._state_buffer = (store.buffer(padded_size(12 * sizes.largest_ssd_state_numel))
-                              if sizes.largest_ssd_state_numel else None)
+        self._state_buffer = (store.buffer(padded_size(12 * sizes.largest_ssd_state_piece_numel))
+                              if sizes.largest_ssd_state_piece_numel else None)
         self._grad_buffer = (store.buffer(padded_size(4 * sizes.largest_ssd_grad_numel))
                              if sizes.largest_ssd_grad_numel else None)
         if overlap:
@@ -127,10 +132,8 @@ class LayerwiseAdam(torch.optim.Optimizer):
 
     def initialise_layer(self, layer: LayerOwner, master: torch.Tensor) -> None:
         """Write the fp32 master weights and zero moments of a layer before its first step."""
-        states = self._committed_states_view(layer)
-        states[:layer.shard_numel].copy_(master)
-        states[layer.shard_numel:].zero_()
-        self._write_committed_states(layer)
+        zeros = torch.zeros_like(master)
+        self._write_committed_states(layer, LayerState(master, zeros, zeros))
 
     def receive_gradient(self, layer: LayerOwner, grads: torch.Tensor) -> None:
         """Take this rank's shard of a layer's gradient for this step (once per step): into the layer's
@@ -180,7 +183,7 @@ class LayerwiseAdam(torch.optim.Optimizer):
         if layer.index in self._state_regions:
             state_slot = 1 - self._state_slot[layer.index]
             state_in = self._state_regions[layer.index][self._state_slot[layer.index]]
-            state_out = plan_write(self._state_regions[layer.index][state_slot])
+            state_out = [plan_write(piece) for piece in self._state_regions[layer.index][state_slot]]
         else:
             # In host memory, updated in place: it could not be discarded.
             assert not speculative, f"layer {layer.index} keeps its states in host memory but was updated speculatively"
@@ -188,7 +191,7 @@ class LayerwiseAdam(torch.optim.Optimizer):
         param_slot = 1 - layer.param_slot
         self._next_task_id += 1
         task = UpdateTask(self._next_task_id, layer.index, layer.shard_numel, layer.compute_dtype,
-                          state_in=state_in, state_out=state_out,
+                          state_in=state_in, state_out=state_out, piece_numel=self._piece_numel,
                           grad=self._grad_regions.get(layer.index),
                           param_out=plan_write(layer.param_regions[param_slot]),
                           step=decision.step, hyper=decision.hyper, clip_coefficient=decision.clip_coefficient)
@@ -214,10 +217,17 @@ class LayerwiseAdam(torch.optim.Optimizer):
     def read_layer_state(self, layer: LayerOwner) -> LayerState:
         """Copies of a layer's committed fp32 master weights and Adam moments."""
         self.flush()
-        if layer.index in self._state_regions:
-            self._store.read(self._state_regions[layer.index][self._state_slot[layer.index]], self._state_buffer)
-        states = self._committed_states_view(layer)
-        return LayerState(*(part.clone() for part in states.split(layer.shard_numel)))
+        if layer.index not in self._state_regions:
+            states = self.host.optimizer_states.slot(layer.index, 3 * layer.shard_numel)
+            return LayerState(*(part.clone() for part in states.split(layer.shard_numel)))
+        parts = [torch.empty(layer.shard_numel, dtype=torch.float32) for _ in range(3)]
+        pieces = self._state_regions[layer.index][self._state_slot[layer.index]]
+        for region, (start, stop) in zip(pieces, piece_ranges(layer.shard_numel, self._piece_numel)):
+            self._store.read(region, self._state_buffer)
+            staged = self._state_buffer[:12 * (stop - start)].view(torch.float32).split(stop - start)
+            for part, value in zip(parts, staged):
+                part[start:stop].copy_(value)
+        return LayerState(*parts)
 
     def restore_layer(self, layer: LayerOwner, state: LayerState, with_moments: bool) -> None:
         """Overwrite a layer's committed states (and its weights, their cast) from a checkpoint."""
@@ -226,25 +236,26 @@ class LayerwiseAdam(torch.optim.Optimizer):
             state = LayerState(state.master, current.exp_avg, current.exp_avg_sq)
         self.flush()
         layer.wait_for_update()
-        states = self._committed_states_view(layer)
-        for part, value in zip(states.split(layer.shard_numel), (state.master, state.exp_avg, state.exp_avg_sq)):
-            part.copy_(value)
-        self._write_committed_states(layer)
+        self._write_committed_states(layer, state)
         layer.overwrite_weights(state.master)
 
     def states_in_host_memory(self, layer: LayerOwner) -> bool:
         return layer.index not in self._state_regions
 
-    def _committed_states_view(self, layer: LayerOwner) -> torch.Tensor:
-        """Where a layer's [master | exp_avg | exp_avg_sq] is handled in this process: its host slot, or
-        the staging buffer of its SSD slot (read or written by the caller)."""
-        if layer.index in self._state_regions:
-            return self._state_buffer[:12 * layer.shard_numel].view(torch.float32)
-        return self.host.optimizer_states.slot(layer.index, 3 * layer.shard_numel)
-
-    def _write_committed_states(self, layer: LayerOwner) -> None:
-        if layer.index in self._state_regions:
-            self._store.write(self._state_regions[layer.index][self._state_slot[layer.index]], self._state_buffer)
+    def _write_committed_states(self, layer: LayerOwner, state: LayerState) -> None:
+        """Into the layer's host slot, or piece by piece into its committed SSD slot."""
+        values = (state.master, state.exp_avg, state.exp_avg_sq)
+        if layer.index not in self._state_regions:
+            slot = self.host.optimizer_states.slot(layer.index, 3 * layer.shard_numel)
+            for part, value in zip(slot.split(layer.shard_numel), values):
+                part.copy_(value)
+            return
+        pieces = self._state_regions[layer.index][self._state_slot[layer.index]]
+        for region, (start, stop) in zip(pieces, piece_ranges(layer.shard_numel, self._piece_numel)):
+            staged = self._state_buffer[:12 * (stop - start)].view(torch.float32).split(stop - start)
+            for part, value in zip(staged, values):
+                part.copy_(value[start:stop])
+            self._store.write(region, self._state_buffer)
 
     def counters_state(self) -> Dict[str, Any]:
         return {"step_count": self.step_count, "skipped_steps": self.skipped_steps,

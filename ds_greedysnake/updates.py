@@ -3,9 +3,10 @@
 An update is plain data (``UpdateTask``): which regions to read (fp32 master, moments, gradient),
 which to write (the other state slot, the other parameter slot) and the step's decision. States and
 gradients kept in host memory shared with the worker (``host_memory.py``) are named by the layer. The same
-``execute_update`` runs it in the main process (overlap off) or in a worker process (overlap on):
-DeepSpeedCPUAdam holds the GIL, so a thread would block training, while a process runs truly in
-parallel with its own aio handle (the aio handle and buffers are not shared between processes).
+``UpdatePipeline`` (``update_pipeline.py``) runs updates in the main process (overlap off) or in a
+worker process (overlap on): DeepSpeedCPUAdam holds the GIL, so a thread would block training, while a
+process runs truly in parallel with its own aio handle (the aio handle and buffers are not shared
+between processes).
 """
 import copy
 import os
@@ -15,13 +16,14 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 from dataclasses import dataclass
-from typing import Dict, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional
 
 import torch
 
 from .deepspeed_compat import AdamHyperparameters, CpuAdamKernel
 from .host_memory import SharedHostMemory
-from .ssd import IoCounters, Region, SsdStore, padded_size
+from .ssd import IoCounters, Region, SsdStore
+from .update_pipeline import UpdateBuffers, UpdatePipeline, UpdateResult
 
 _WORKER_POLL_SECONDS = 1.0
 
@@ -32,8 +34,10 @@ class UpdateTask:
     layer: int
     numel: int
     compute_dtype: torch.dtype
-    state_in: Optional[Region]   # [fp32 master | exp_avg | exp_avg_sq] as committed; None: in host memory
-    state_out: Optional[Region]  # the other slot, written with the updated states; None: updated in place
+    # The pieces of [fp32 master | exp_avg | exp_avg_sq] (update_pipeline.py) as committed; None: in host memory.
+    state_in: Optional[List[Region]]
+    state_out: Optional[List[Region]]  # the other slot's pieces, written with the updated states; None: in place
+    piece_numel: int                   # elements per piece (the last may be shorter)
     grad: Optional[Region]  # fp32 gradient accumulated over the step; None: in the layer's arena slot
     param_out: Region      # the layer's other parameter slot, written in the compute dtype
     step: int
@@ -48,19 +52,10 @@ class ReplayTask:
     hyper: AdamHyperparameters
 
 
-@dataclass
-class UpdateResult:
-    task_id: int
-    seconds: float
-    bytes_read: int
-    bytes_written: int
-    error: Optional[str] = None
-
-
 class BufferSizes(NamedTuple):
     """Element counts the update buffers are sized for (see ``UpdateBuffers``)."""
     largest_numel: int
-    largest_ssd_state_numel: int
+    largest_ssd_state_piece_numel: int
     largest_ssd_grad_numel: int
 
 
@@ -73,53 +68,6 @@ def plan_write(region: Region) -> Region:
     carried = copy.copy(region)
     region.generation += 1
     return carried
-
-
-class UpdateBuffers:
-    """Aligned host buffers of ``store`` for the largest layer; one set per executing process. The state
-    and gradient buffers are sized for the largest layer whose states / gradient go through SSD (none
-    when every layer has a slot in the shared host arena)."""
-
-    def __init__(self, store: SsdStore, largest_numel: int, largest_ssd_state_numel: int,
-                 largest_ssd_grad_numel: int):
-        self.state = store.buffer(padded_size(12 * largest_ssd_state_numel)) if largest_ssd_state_numel else None
-        self.grad = store.buffer(padded_size(4 * largest_ssd_grad_numel)) if largest_ssd_grad_numel else None
-        self.params = store.buffer(padded_size(4 * largest_numel))
-
-
-def execute_update(task: UpdateTask, store: SsdStore, kernel: CpuAdamKernel, buffers: UpdateBuffers,
-                   host: SharedHostMemory) -> UpdateResult:
-    started = time.perf_counter()
-    read_before = sum(store.counters.bytes_read.values())
-    written_before = sum(store.counters.bytes_written.values())
-    assert (task.state_in is None) == (task.state_out is None), task
-    # Both reads in flight together, then both writes: the SSD sees deep queues.
-    if task.state_in is not None:
-        store.start_read(task.state_in, buffers.state)
-    if task.grad is not None:
-        store.start_read(task.grad, buffers.grad)
-    store.wait()
-    if task.state_in is not None:
-        states = buffers.state[:12 * task.numel].view(torch.float32)
-    else:
-        states = host.optimizer_states.slot(task.layer, 3 * task.numel)
-    master, exp_avg, exp_avg_sq = states[:task.numel], states[task.numel:2 * task.numel], states[2 * task.numel:]
-    if task.grad is not None:
-        grads = buffers.grad[:4 * task.numel].view(torch.float32)
-    else:
-        grads = host.gradients.slot(task.layer, task.numel)
-    if task.clip_coefficient != 1.0:
-        grads.mul_(task.clip_coefficient)
-    kernel.update(task.step, task.hyper, master, grads, exp_avg, exp_avg_sq)
-    if task.state_out is not None:
-        store.start_write(task.state_out, buffers.state)
-    element_bytes = torch.empty(0, dtype=task.compute_dtype).element_size()
-    buffers.params[:element_bytes * task.numel].view(task.compute_dtype).copy_(master)
-    store.start_write(task.param_out, buffers.params)
-    store.wait()
-    return UpdateResult(task.task_id, time.perf_counter() - started,
-                        sum(store.counters.bytes_read.values()) - read_before,
-                        sum(store.counters.bytes_written.values()) - written_before)
 
 
 class UpdateHandle:
@@ -183,15 +131,20 @@ class Updater:
 class InlineUpdater(Updater):
     """Runs each update at submission, in this process: the non-overlapped step."""
 
-    def __init__(self, store: SsdStore, kernel: CpuAdamKernel, sizes: "BufferSizes", host: SharedHostMemory):
+    def __init__(self, store: SsdStore, kernel: CpuAdamKernel, sizes: BufferSizes, host: SharedHostMemory):
         super().__init__(store.counters)
-        self._store, self._kernel, self._host = store, kernel, host
-        self._buffers = UpdateBuffers(store, *sizes)
+        self._kernel = kernel
+        self._pipeline = UpdatePipeline(store, kernel, UpdateBuffers(store, *sizes), host)
 
     def submit(self, task: UpdateTask) -> UpdateHandle:
         handle = UpdateHandle(self, task)
         started = time.perf_counter()
-        result = execute_update(task, self._store, self._kernel, self._buffers, self._host)
+        self._pipeline.add(task)
+        try:
+            (result,) = self._pipeline.drain()
+        except BaseException:
+            self._pipeline.abandon()
+            raise
         self.wait_seconds += time.perf_counter() - started
         handle.result = result
         self.update_seconds += result.seconds
@@ -205,29 +158,45 @@ class InlineUpdater(Updater):
 
 
 def worker_main(task_fd: int, result_fd: int) -> None:
-    """The worker process: set up from the first message, then run tasks in order until ``None``."""
+    """The worker process: set up from the first message, then run tasks in order until ``None``. It
+    takes new tasks whenever they are there, so that the next update's first read is in flight while
+    the current one finishes."""
     tasks, results = Connection(task_fd, writable=False), Connection(result_fd, readable=False)
     folder, ds_config, hyper, adamw_mode, sizes, num_threads, host_layouts = tasks.recv()
     torch.set_num_threads(num_threads)
     store = SsdStore(folder, ds_config, IoCounters(), "worker")
-    host = SharedHostMemory.attach(host_layouts)
     kernel = CpuAdamKernel(hyper, adamw_mode)
-    buffers = UpdateBuffers(store, *sizes)
+    pipeline = UpdatePipeline(store, kernel, UpdateBuffers(store, *sizes), SharedHostMemory.attach(host_layouts))
     results.send("ready")
     while True:
-        try:
-            task = tasks.recv()
-        except EOFError:
-            return  # the training process is gone
-        if task is None:
-            return
-        if isinstance(task, ReplayTask):
-            kernel.replay_steps(task.last_step, task.hyper)
-            continue
-        try:
-            result = execute_update(task, store, kernel, buffers, host)
-        except Exception:  # reported to the training process, which raises it with the layer named
-            result = UpdateResult(task.task_id, 0.0, 0, 0, traceback.format_exc())
+        # Block for a message only when nothing is in flight.
+        while pipeline.idle() or tasks.poll():
+            try:
+                message = tasks.recv()
+            except EOFError:
+                return  # the training process is gone
+            if message is None:
+                return
+            if isinstance(message, ReplayTask):
+                _send_all(results, _guarded(pipeline, pipeline.drain))
+                kernel.replay_steps(message.last_step, message.hyper)
+            else:
+                pipeline.add(message)
+        _send_all(results, _guarded(pipeline, pipeline.advance))
+
+
+def _guarded(pipeline: UpdatePipeline, action) -> List[UpdateResult]:
+    """Results of ``action``; if it fails, an error result for every update the pipeline held, which the
+    training process raises with the layer named."""
+    try:
+        return action()
+    except Exception:
+        error = traceback.format_exc()
+        return [UpdateResult(task.task_id, 0.0, 0, 0, error) for task in pipeline.abandon()]
+
+
+def _send_all(results: Connection, finished: List[UpdateResult]) -> None:
+    for result in finished:
         results.send(result)
 
 

@@ -22,7 +22,8 @@ RUN_FIELDS = {
     "world_size",
 }
 GREEDYSNAKE_FIELDS = {"worker_read_bytes_per_step", "worker_write_bytes_per_step", "seconds_by_op_mean",
-                      "optimizer_seconds_mean", "optimizer_wait_seconds_mean", "io_crosscheck_write"}
+                      "optimizer_seconds_mean", "optimizer_wait_seconds_mean", "io_crosscheck_write",
+                      "host_state_parameters"}
 ROOFLINE_FIELDS = {"cpu_seconds", "io_seconds", "bound_seconds", "bound_tokens_per_second", "vertical_io_seconds",
                    "vertical_bound_seconds", "vertical_bound_tokens_per_second", "distance_to_bound",
                    "distance_to_vertical_bound", "limited_by"}
@@ -52,6 +53,9 @@ def test_quick_ab_bench(tmp_path):
     assert {"machine", "runs", "loss_agreement", "baseline", "configs", "sweep", "warmup", "steps"} <= report.keys()
     assert MACHINE_FIELDS <= report["machine"].keys()
     assert report["baseline"]["offload_param_max_in_cpu"] == 0
+    # The compute term of the roofline: the whole-model pass and the vertical order at each M of the sweep.
+    vertical = report["machine"]["compute"]["ssd_bound"]["vertical"]
+    assert set(vertical) == {"2"} and vertical["2"]["forward_s"] > 0 and vertical["2"]["forward_backward_s"] > 0
     assert {r["engine"] for r in report["runs"]} == {"zero_infinity", "greedysnake"}
     for run in report["runs"]:
         missing = RUN_FIELDS - run.keys()
@@ -65,6 +69,9 @@ def test_quick_ab_bench(tmp_path):
         assert run["param_read_bytes_per_step"] > 0
         assert run["peak_rss_mib"] > 0
         assert all(math.isfinite(loss) for loss in run["losses"])
+        if run["engine"] == "greedysnake":
+            # The front layer's optimizer states are in host memory by default (optimizer_host_memory_mb).
+            assert 0 < run["host_state_parameters"] < run["parameters"]
     assert (out_dir / "ab_bench.md").exists()
     if "--no-plot" not in command:
         assert (out_dir / "ab_bench.png").stat().st_size > 0

@@ -4,6 +4,7 @@ import os
 import pytest
 import torch
 
+from ds_greedysnake import optimizer as optimizer_module
 from ds_greedysnake.schedule import default_deferred_layers
 from greedysnake_run import run_greedysnake
 from helpers import fresh_model, reference_training, relative_l2, tiny_gpt_config
@@ -89,6 +90,22 @@ def test_optimizer_state_paths_change_nothing(tmp_path, overlap):
     moved = {name: run.metrics[-1].ssd_bytes_read.get("optimizer_worker" if overlap else "optimizer", 0)
              for name, run in runs.items()}
     assert moved["host"] < moved["ssd"], moved
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_state_pieces_change_nothing(tmp_path, monkeypatch, overlap):
+    """Optimizer states streamed in many pieces per layer (update_pipeline.py), with gradients and states
+    through SSD and clipping on: the same bits as whole-layer pieces."""
+    options = {"optimizer_overlap": overlap, "optimizer_host_memory_mb": 0, "gradient_host_memory_mb": 0}
+    whole = run_greedysnake(str(tmp_path / "whole"), NUM_MICRO_BATCHES, 2, clipping=1.0, greedysnake=options)
+    monkeypatch.setattr(optimizer_module, "STATE_PIECE_NUMEL", 100_000)
+    pieces = run_greedysnake(str(tmp_path / "pieces"), NUM_MICRO_BATCHES, 2, clipping=1.0, greedysnake=options)
+    block = pieces.engine.layers[1]
+    assert block.shard_numel > 3 * 100_000, "the test needs layers of several pieces"
+    assert len(pieces.engine.optimizer._state_regions[block.index][0]) == -(-block.shard_numel // 100_000)
+    assert pieces.losses == whole.losses
+    for key, value in whole.masters.items():
+        assert torch.equal(value, pieces.masters[key]), key
 
 
 def test_blocks_are_really_on_ssd(tmp_path):

@@ -1,0 +1,216 @@
+"""Runs queued Adam updates piece by piece, so that the SSD always has reads and writes in flight.
+
+A layer's optimizer states on SSD are split into pieces of at most ``STATE_PIECE_NUMEL`` elements,
+each its own region holding [fp32 master | exp_avg | exp_avg_sq] of that element range. One step of
+the pipeline waits for the piece read last time (and for the writes issued last time), runs Adam on
+it, then issues its writes and the read of the next piece, of this update or of the next one queued:
+
+    wait -> Adam(i) -> write(i) + read(i+1) in flight -> wait -> Adam(i+1) -> ...
+
+Reading one layer while the previous one is written kept the SSD busy where the whole-layer
+read / Adam / write sequence left it idle half the time, and two piece buffers bound the locked
+memory by the piece size instead of 12 bytes times the largest layer.
+
+States kept in host memory (``host_memory.py``) are one piece, updated in place with no state I/O.
+The new weights of a layer are cast into a layer-sized buffer piece by piece and written once its
+last piece is done; a gradient that comes through SSD is read with the layer's first piece.
+"""
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Deque, List, Optional, Tuple
+
+import torch
+
+from .deepspeed_compat import CpuAdamKernel
+from .host_memory import SharedHostMemory
+from .ssd import Region, SsdStore, padded_size
+
+# 4 Mi elements: a 48 MiB piece buffer, two per executing process.
+STATE_PIECE_NUMEL = 1 << 22
+
+
+def piece_ranges(numel: int, piece_numel: int) -> List[Tuple[int, int]]:
+    """[start, stop) element ranges of the pieces of a layer's states."""
+    return [(start, min(start + piece_numel, numel)) for start in range(0, numel, piece_numel)]
+
+
+@dataclass
+class UpdateResult:
+    task_id: int
+    seconds: float
+    bytes_read: int
+    bytes_written: int
+    error: Optional[str] = None
+
+
+@dataclass
+class _Piece:
+    task: "UpdateTask"  # noqa: F821 (updates.UpdateTask, which imports this module)
+    index: int
+    start: int
+    stop: int
+    buffer: Optional[torch.Tensor]  # holds the piece read from SSD; None: the states are in host memory
+
+
+class UpdateBuffers:
+    """Aligned host buffers of ``store``; one set per executing process: two piece buffers (none when every
+    layer's states are in host memory), a gradient buffer for the largest layer whose gradient comes
+    through SSD (none when all are in host memory), and the new weights of the largest layer."""
+
+    def __init__(self, store: SsdStore, largest_numel: int, largest_ssd_state_piece_numel: int,
+                 largest_ssd_grad_numel: int):
+        piece_bytes = padded_size(12 * largest_ssd_state_piece_numel)
+        self.pieces = [store.buffer(piece_bytes) for _ in range(2)] if largest_ssd_state_piece_numel else []
+        self.grad = store.buffer(padded_size(4 * largest_ssd_grad_numel)) if largest_ssd_grad_numel else None
+        self.params = store.buffer(padded_size(4 * largest_numel))
+
+
+class UpdatePipeline:
+    """Queued updates, executed in order, piece by piece, with the next read in flight (see module doc)."""
+
+    def __init__(self, store: SsdStore, kernel: CpuAdamKernel, buffers: UpdateBuffers, host: SharedHostMemory):
+        self._store, self._kernel, self._buffers, self._host = store, kernel, buffers, host
+        self._queue: Deque = deque()            # tasks with pieces still to read; the head is being read
+        self._next_piece = 0                    # the head's next piece to read
+        self._current: Optional[_Piece] = None  # read issued (or in host memory): Adam runs at the next step
+        self._writing_buffer: Optional[torch.Tensor] = None  # the piece buffer writes are issued from
+        self._completing: List = []             # updates whose last writes are in flight
+        self._io_bytes = {}                     # task_id -> [read, written], counted at issue
+        self._started = {}                      # task_id -> when its first piece was issued
+        self._last_completion = time.perf_counter()
+
+    def add(self, task) -> None:
+        """Queue an update, earliest deadline first: the next forward needs layer 0's new weights first, so
+        queued updates run in layer order (a started one finishes first). Updates of different layers
+        are independent, and every update of one step completes before any of the next step is queued
+        (each layer's fetch waits for its update), so the order changes no result."""
+        position = len(self._queue)
+        while position > (1 if self._next_piece > 0 else 0) and self._queue[position - 1].layer > task.layer:
+            position -= 1
+        self._queue.insert(position, task)
+        if self._current is None:
+            self._current = self._issue_next_read()
+
+    def idle(self) -> bool:
+        return self._current is None and not self._completing and not self._queue
+
+    def advance(self) -> List[UpdateResult]:
+        """One step: wait for the reads and writes in flight, run Adam on the piece just read, issue its
+        writes and the next read. Returns the results of the updates whose writes completed."""
+        self._store.wait()
+        self._writing_buffer = None
+        finished = self._report_completed()
+        piece, self._current = self._current, None
+        if piece is not None:
+            # The next read goes out before Adam runs, so the SSD is not idle meanwhile, unless it would
+            # overwrite the gradient buffer this piece still reads (a new update whose gradient is on SSD).
+            if self._next_read_can_start_before(piece):
+                self._current = self._issue_next_read(busy=piece.buffer)
+            self._compute(piece)
+            self._issue_writes(piece)
+            if self._current is None:
+                self._current = self._issue_next_read()
+        return finished
+
+    def _next_read_can_start_before(self, piece: _Piece) -> bool:
+        if not self._queue:
+            return False
+        upcoming = self._queue[0]
+        return upcoming is piece.task or upcoming.grad is None
+
+    def drain(self) -> List[UpdateResult]:
+        finished = []
+        while not self.idle():
+            finished.extend(self.advance())
+        return finished
+
+    def abandon(self) -> list:
+        """After a failure: every update held, in order; the pipeline is left empty, with no transfer in
+        flight (an aio handle destroyed with pending reads aborts the process)."""
+        try:
+            self._store.wait()
+        except Exception:  # the failure being handled is the one worth reporting
+            pass
+        held = list(task for task in self._completing)
+        if self._current is not None:
+            held.append(self._current.task)
+        held.extend(task for task in self._queue if task not in held)
+        self._queue.clear()
+        self._current, self._completing, self._next_piece = None, [], 0
+        self._writing_buffer = None
+        return held
+
+    # ------------------------------------------------------------------ steps of one piece
+
+    def _issue_next_read(self, busy: Optional[torch.Tensor] = None) -> Optional[_Piece]:
+        """The next piece, its read in flight, in a piece buffer neither written from nor ``busy``."""
+        if not self._queue:
+            return None
+        task = self._queue[0]
+        ranges = piece_ranges(task.numel, task.piece_numel) if task.state_in is not None else [(0, task.numel)]
+        index = self._next_piece
+        start, stop = ranges[index]
+        self._next_piece += 1
+        if self._next_piece == len(ranges):
+            self._queue.popleft()
+            self._next_piece = 0
+        if index == 0:
+            self._started[task.task_id] = time.perf_counter()
+            self._io_bytes[task.task_id] = [0, 0]
+            if task.grad is not None:
+                self._read(task, task.grad, self._buffers.grad)
+        buffer = None
+        if task.state_in is not None:
+            buffer = next(b for b in self._buffers.pieces if b is not self._writing_buffer and b is not busy)
+            self._read(task, task.state_in[index], buffer)
+        return _Piece(task, index, start, stop, buffer)
+
+    def _compute(self, piece: _Piece) -> None:
+        task, count = piece.task, piece.stop - piece.start
+        if piece.buffer is not None:
+            states = piece.buffer[:12 * count].view(torch.float32)
+        else:
+            states = self._host.optimizer_states.slot(task.layer, 3 * task.numel)
+        master, exp_avg, exp_avg_sq = states[:count], states[count:2 * count], states[2 * count:3 * count]
+        if task.grad is not None:
+            grads = self._buffers.grad[:4 * task.numel].view(torch.float32)[piece.start:piece.stop]
+        else:
+            grads = self._host.gradients.slot(task.layer, task.numel)[piece.start:piece.stop]
+        if task.clip_coefficient != 1.0:
+            grads.mul_(task.clip_coefficient)
+        self._kernel.update(task.step, task.hyper, master, grads, exp_avg, exp_avg_sq)
+        element_bytes = torch.empty(0, dtype=task.compute_dtype).element_size()
+        params = self._buffers.params[:element_bytes * task.numel].view(task.compute_dtype)
+        params[piece.start:piece.stop].copy_(master)
+
+    def _issue_writes(self, piece: _Piece) -> None:
+        task = piece.task
+        if piece.buffer is not None:
+            self._write(task, task.state_out[piece.index], piece.buffer)
+            self._writing_buffer = piece.buffer
+        last = piece.index == len(task.state_in) - 1 if task.state_in is not None else True
+        if last:
+            # Every piece has been cast into the weight buffer: the layer's new weights go out whole.
+            self._write(task, task.param_out, self._buffers.params)
+            self._completing.append(task)
+
+    def _report_completed(self) -> List[UpdateResult]:
+        finished = []
+        now = time.perf_counter()
+        for task in self._completing:
+            # Busy time, not overlapping spans: from when this update started or the previous ended.
+            seconds = now - max(self._started.pop(task.task_id), self._last_completion)
+            read, written = self._io_bytes.pop(task.task_id)
+            finished.append(UpdateResult(task.task_id, seconds, read, written))
+            self._last_completion = now
+        self._completing = []
+        return finished
+
+    def _read(self, task, region: Region, buffer: torch.Tensor) -> None:
+        self._store.start_read(region, buffer)
+        self._io_bytes[task.task_id][0] += region.padded_bytes
+
+    def _write(self, task, region: Region, buffer: torch.Tensor) -> None:
+        self._store.start_write(region, buffer)
+        self._io_bytes[task.task_id][1] += region.padded_bytes
