@@ -49,7 +49,6 @@ def probe_ssd(folder: str, ds_config: dict, region_mib: int = 128, repeats: int 
     scratch = tempfile.mkdtemp(prefix="planner_probe_", dir=folder)
     try:
         store = SsdStore(scratch, ds_config, IoCounters(), "probe")
-        rates = _per_transfer(store, [max(1, region_mib // 8) * MIB, max(2, region_mib // 2) * MIB], 2 * repeats + 1)
         region = store.create_region("whole", region_mib * MIB, "probe")
         handle = deepspeed_compat.new_aio_handle(ds_config)
         plain = aligned_buffer(region.padded_bytes)  # not locked, as ZeRO-3's swapper's without pin_memory
@@ -63,8 +62,10 @@ def probe_ssd(folder: str, ds_config: dict, region_mib: int = 128, repeats: int 
                     raise OSError(f"aio probe: a {kind} of {region.padded_bytes} bytes in {scratch} did not complete")
             return run
 
-        for kind in ("write", "read"):
-            rates[f"ssd_{kind}_bytes_per_s_single"] = region.padded_bytes / _median_seconds(one_op(kind), repeats)
+        rates = {f"ssd_{kind}_bytes_per_s_single": region.padded_bytes / _median_seconds(one_op(kind), repeats)
+                 for kind in ("write", "read")}
+        rates.update(_per_transfer(store, [max(1, region_mib // 8) * MIB, max(2, region_mib // 2) * MIB],
+                                   2 * repeats + 1))
         return rates
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
