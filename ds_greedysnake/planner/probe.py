@@ -105,6 +105,9 @@ def probe_update(folder: str, ds_config: dict, numel: int, repeats: int = 5) -> 
     engine allocates its buffers once: here a buffer freed and allocated again ran up to 1.6x slower."""
     os.makedirs(folder, exist_ok=True)
     scratch = tempfile.mkdtemp(prefix="planner_update_", dir=folder)
+    threads = torch.get_num_threads()
+    # The worker's own thread count (Adam and the cast run on it).
+    torch.set_num_threads(int((ds_config.get("greedysnake") or {}).get("optimizer_worker_threads", 1)))
     try:
         store = SsdStore(scratch, ds_config, IoCounters(), "probe")
         # Two state slots, each update reading the one the previous update wrote, as the engine's do.
@@ -142,6 +145,7 @@ def probe_update(folder: str, ds_config: dict, numel: int, repeats: int = 5) -> 
         in_host, through_ssd = statistics.median(trials[False]), statistics.median(trials[True])
         return in_host / numel, max(0.0, through_ssd - in_host) / numel
     finally:
+        torch.set_num_threads(threads)
         shutil.rmtree(scratch, ignore_errors=True)
 
 

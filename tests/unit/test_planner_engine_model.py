@@ -136,3 +136,13 @@ def test_plan_block_gives_the_engine_exactly_the_planned_host_states():
         return evaluate("gs", phases, workload, plan.shares).seconds
     assert seconds(applied.optimizer_host_layers(workload)) == pytest.approx(plan.prediction.seconds)
     assert seconds(0) > plan.prediction.seconds
+
+
+def test_worker_and_prefetch_share_the_ssd():
+    """In a phase where the worker updates a layer while training prefetches the next one, both
+    processes' transfers go to one SSD: the phase takes at least the worker's time plus the read."""
+    workload = ssd_bound(1)
+    phase = next(phase for phase in engine_phases(workload, machine(), 2) if phase.name == "backward[4]")
+    worker, prefetch = (phase.lanes[name].value({}) for name in ("optimizer worker", "prefetch"))
+    assert phase.lanes["SSD, worker and prefetch"].value({}) == pytest.approx(worker + prefetch)
+    assert phase.seconds({})[0] >= worker + prefetch
