@@ -112,7 +112,8 @@ def _describe(plans, hardware, shape, workload, budget, request) -> str:
         f"  ZeRO-Infinity: {zi.seconds:.3f} s/step, {zi.tokens_per_second:.1f} tokens/s, binds: {zi.binding} "
         f"({zi.seconds_by_binding[zi.binding]:.3f} s of the step)",
         f"  predicted speed-up {zi.seconds / gs.seconds:.2f}x; host memory {best.host_bytes / GIB:.2f} GiB "
-        f"(shares in host memory: {', '.join(f'{k} {v:.2f}' for k, v in best.shares.items())})",
+        f"(shares in host memory: {', '.join(f'{k} {v:.2f}' for k, v in best.shares.items())}; "
+        f"optimizer states of the first {best.optimizer_host_layers} layer(s))",
         "",
         "| M | greedysnake s | tokens/s | binds | ZeRO-Infinity s | tokens/s | binds | speed-up | split | host GiB |",
         "|---|---|---|---|---|---|---|---|---|---|",

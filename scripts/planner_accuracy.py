@@ -30,11 +30,17 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+def engine_keeps_states_in_host() -> bool:
+    """Whether this checkout's engine honours ``optimizer_host_memory_mb`` (its shared host memory module
+    came with it); before, every optimizer state went through SSD whatever the config said."""
+    import ds_greedysnake  # the checkout measured (an editable install elsewhere may have other modules)
+    return os.path.exists(os.path.join(os.path.dirname(ds_greedysnake.__file__), "host_memory.py"))
+
+
 def predict_runs(report: dict, hardware_arg: str, nvme_path: str, save_hardware=None) -> list:
     from ds_greedysnake.planner import (EngineSettings, HorizontalSettings, engine_phases, evaluate,
                                         horizontal_phases, load_hardware, parse_layers, save_hardware as save,
                                         workload_from_config)
-    from ds_greedysnake.schedule import default_deferred_layers
     rows, hardware_by_config = [], {}
     for run in report["runs"]:
         if run.get("world_size", 1) > 1:
@@ -48,7 +54,7 @@ def predict_runs(report: dict, hardware_arg: str, nvme_path: str, save_hardware=
             if hardware_arg != "probe":
                 hardware_by_config[run["config"]] = load_hardware(hardware_arg)
             else:
-                from ds_greedysnake.planner.probe import probe_layers, probe_machine
+                from ds_greedysnake.planner.probe import probe_layers, probe_machine, probe_sharing_cores
                 from ds_greedysnake.deepspeed_compat import accelerator_device
                 os.makedirs(nvme_path, exist_ok=True)
                 if not hardware_by_config:
@@ -56,31 +62,31 @@ def predict_runs(report: dict, hardware_arg: str, nvme_path: str, save_hardware=
                     if save_hardware:
                         save(hardware, save_hardware)
                 else:  # the machine's rates once; the layers per configuration
-                    first = next(iter(hardware_by_config.values()))
-                    hardware = dataclasses.replace(first, layer_times=probe_layers(workload, accelerator_device()),
-                                                   layer_times_for=workload.compute_key())
+                    first, device = next(iter(hardware_by_config.values())), accelerator_device()
+                    hardware = dataclasses.replace(first, layer_times=probe_layers(workload, device),
+                                                   layer_times_for=workload.compute_key(),
+                                                   compute_slowdown_sharing_cores=probe_sharing_cores(workload, device))
                 hardware_by_config[run["config"]] = hardware
         hardware = hardware_by_config[run["config"]]
         if run["engine"] == "greedysnake":
             settings = EngineSettings.from_ds_config(ds_config)
-            deferred = (ds_config.get("greedysnake") or {}).get("deferred_layers")
-            if settings.clipping:
-                deferred = len(shape.layers)  # as the engine does
-            elif deferred is None:
-                deferred = default_deferred_layers(len(shape.layers))
-            phases = engine_phases(workload, hardware, deferred, settings.overlap)
+            deferred = settings.deferred(workload)
+            host_layers = settings.optimizer_host_layers(workload, deferred) if engine_keeps_states_in_host() else 0
+            phases = engine_phases(workload, hardware, deferred, settings.overlap, host_layers)
+            # The host shares the run's config gives (checkpoint and gradient budgets, engine defaults).
+            block = ds_config.get("greedysnake") or {}
+            shares = settings.shares(workload, float(block.get("activation_host_memory_mb", 4096)) * 2**20)
         else:
             phases = horizontal_phases(workload, hardware, HorizontalSettings.from_ds_config(ds_config))
-        # The host shares the run's config gives (checkpoint and gradient budgets, engine defaults).
-        block = ds_config.get("greedysnake") or {}
-        shares = EngineSettings.from_ds_config(ds_config).shares(
-            workload, float(block.get("activation_host_memory_mb", 4096)) * 2**20)
-        prediction = evaluate(run["engine"], phases, workload, shares if run["engine"] == "greedysnake" else {})
+            shares = {}
+        prediction = evaluate(run["engine"], phases, workload, shares)
         measured = run["step_seconds_median"]
         rows.append({"config": run["config"], "micro_batches": run["micro_batches"], "engine": run["engine"],
                      "measured_seconds": measured, "predicted_seconds": prediction.seconds,
                      "ratio": prediction.seconds / measured, "binding": prediction.binding,
-                     "seconds_by_binding": prediction.seconds_by_binding})
+                     "seconds_by_binding": prediction.seconds_by_binding,
+                     "predicted_phases": prediction.to_dict()["phases"],
+                     "measured_seconds_by_op": run.get("seconds_by_op_mean")})
     return rows, {name: hw.to_dict() for name, hw in hardware_by_config.items()}
 
 

@@ -1,6 +1,7 @@
 """The planner: a cost model of both engines and a search that picks M, the optimizer split and
 the data placement for a machine. ``python -m ds_greedysnake.plan --help``; docs/planner.md."""
-from .cost_model import EngineSettings, HorizontalSettings, StepPrediction, Workload, engine_phases, evaluate, horizontal_phases
+from .cost_model import HorizontalSettings, StepPrediction, Workload, evaluate, horizontal_phases
+from .engine_model import EngineSettings, engine_phases
 from .errors import PlannerError
 from .hardware import Hardware, LayerTimes, hardware_from_dict, load_hardware, save_hardware
 from .plan_config import PlanRequest, plan_for_config, workload_from_config

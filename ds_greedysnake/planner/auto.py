@@ -1,9 +1,10 @@
 """``"greedysnake": {"enabled": true, "auto": true}``: plan at initialize and apply what the engine supports.
 
-The plan sets ``deferred_layers``, ``activation_host_memory_mb`` and ``gradient_host_memory_mb``
-(unless the block sets them itself), and M (``gradient_accumulation_steps``) only when ds_config fixes no batch size and one rank
-runs: M is the global batch, a training decision, and every rank must agree on it. Parameters and
-optimizer states stay on SSD (the engine has no host-resident placement for them yet).
+The plan sets ``deferred_layers``, ``activation_host_memory_mb``, ``gradient_host_memory_mb`` and
+``optimizer_host_memory_mb`` (unless the block sets them itself), and M (``gradient_accumulation_steps``) only when ds_config fixes no batch size and one rank
+runs: M is the global batch, a training decision, and every rank must agree on it. Parameters stay on
+SSD (the engine has no host-resident placement for them yet), and so do the optimizer states of every
+layer but the front ones the plan gives host memory.
 """
 import copy
 import os
@@ -59,7 +60,7 @@ def auto_plan(ds_config: Dict, modules: List[nn.Module], nvme_path: str) -> Tupl
     lines = [f"planned with {hardware.name}: predicted {plan.prediction.seconds:.3f} s/step, "
              f"{plan.prediction.tokens_per_second:.1f} tokens/s (binds: {plan.prediction.binding}); "
              f"ZeRO-Infinity predicted {plan.zero_infinity.seconds:.3f} s/step"]
-    for key in ("deferred_layers", "activation_host_memory_mb", "gradient_host_memory_mb"):
+    for key in ("deferred_layers", "activation_host_memory_mb", "gradient_host_memory_mb", "optimizer_host_memory_mb"):
         if key in block:
             lines.append(f"{key} = {block[key]} (set in the block; the plan's {chosen[key]} not applied)")
         else:
@@ -70,5 +71,6 @@ def auto_plan(ds_config: Dict, modules: List[nn.Module], nvme_path: str) -> Tupl
     else:
         applied["gradient_accumulation_steps"] = plan.micro_batches
         lines.append(f"gradient_accumulation_steps = {plan.micro_batches} (planned: smallest M within 95% of the best)")
-    lines.append("parameters and optimizer states stay on SSD (host-resident placement: modelled, not implemented)")
+    lines.append(f"optimizer states of {plan.optimizer_host_layers} front layer(s) in host memory, the others and every "
+                 "parameter on SSD (host-resident parameters: modelled, not implemented)")
     return applied, plan, lines

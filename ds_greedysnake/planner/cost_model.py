@@ -13,10 +13,8 @@ instead of on SSD: ``act`` (layer-input checkpoints), ``param`` (low-precision p
 shares in.
 
 Three schedules:
-* ``engine_phases``: what ds_greedysnake's engine does today (section "The engine, as modelled" in
-  docs/planner.md): the optimizer worker reads, steps and writes one layer at a time, in order; a
-  gradient not kept in host memory is written synchronously; the front ``deferred_layers`` updates
-  run after the step's decision and the next forward waits for each before reading that layer.
+* ``engine_phases`` (in ``engine_model.py``): what ds_greedysnake's engine does today (section "The
+  engine, as modelled" in docs/planner.md).
 * ``ideal_vertical_phases``: the paper's model: per layer, an alpha share of the optimizer work in
   forward and the rest in backward, every transfer overlapped.
 * ``horizontal_phases``: ZeRO-Infinity: per micro-batch, every layer's swapped parameters read again
@@ -166,12 +164,21 @@ def evaluate(engine: str, phases: List[Phase], workload: Workload, shares: Dict[
 # ----------------------------------------------------------------------------- shared per-layer terms
 
 
-class _Rates:
+class Rates:
+    """Seconds per byte / element of a machine, and the engine's per-transfer and per-update costs."""
+
     def __init__(self, hardware: Hardware):
         self.read = 1.0 / hardware.ssd_read_bytes_per_s             # deep queue (the engine's chunks)
         self.write = 1.0 / hardware.ssd_write_bytes_per_s
         self.read_one = 1.0 / hardware.ssd_read_bytes_per_s_single  # one op per transfer (ZeRO-3's swapper)
         self.write_one = 1.0 / hardware.ssd_write_bytes_per_s_single
+        self.read_latency = hardware.ssd_read_seconds_per_transfer or 0.0
+        self.write_latency = hardware.ssd_write_seconds_per_transfer or 0.0
+        self.update_host = hardware.update_seconds_per_element          # None: from the rates
+        self.update_state_io = hardware.update_state_io_seconds_per_element
+        # While the worker runs, the training compute loses this share of the worker's time (see engine_model).
+        slowdown = hardware.compute_slowdown_sharing_cores or 1.0
+        self.sharing = 1.0 - 1.0 / slowdown
         self.adam = 1.0 / hardware.adam_elements_per_s
         handoff = hardware.grad_handoff_elements_per_s
         self.handoff = 0.0 if handoff is None else 1.0 / handoff
@@ -181,128 +188,16 @@ class _Rates:
     def ssd(self, reads: Linear, writes: Linear) -> Linear:
         return reads * self.read + writes * self.write
 
+    def read_seconds(self, share: str, num_bytes: float) -> Linear:
+        """One engine read of ``num_bytes`` (its share kept in host memory is not read)."""
+        return on_ssd(share, num_bytes) * self.read + on_ssd(share, self.read_latency)
+
+    def write_seconds(self, share: str, num_bytes: float) -> Linear:
+        return on_ssd(share, num_bytes) * self.write + on_ssd(share, self.write_latency)
+
     def add_link(self, lanes: Dict[str, Linear], num_bytes: float) -> None:
         if self.link is not None:
             lanes["host link"] = Linear(num_bytes * self.link)
-
-
-def _update(params: int, workload: Workload, rates: _Rates) -> Tuple[Linear, Linear, Linear]:
-    """The engine's per-layer update, one after another in the worker: read states and gradient
-    together, Adam, write states and the new weights together. Returns (worker seconds, SSD bytes
-    read, SSD bytes written)."""
-    reads = on_ssd("opt", OPTIMIZER_BYTES_PER_PARAM * params) + on_ssd("grad", GRAD_BYTES_PER_PARAM * params)
-    writes = on_ssd("opt", OPTIMIZER_BYTES_PER_PARAM * params) + on_ssd("param", workload.param_bytes * params)
-    seconds = reads * rates.read + Linear(params * rates.adam) + writes * rates.write
-    return seconds, reads, writes
-
-
-# ----------------------------------------------------------------------------- the engine as it is
-
-
-@dataclass
-class EngineSettings:
-    """What of ds_config changes the engine's schedule."""
-    overlap: bool = True     # greedysnake.optimizer_overlap
-    clipping: bool = False   # gradient_clipping > 0: every update waits for the global norm (deferred)
-    gradient_host_bytes: float = 1024 * 2**20  # greedysnake.gradient_host_memory_mb (the engine's default)
-
-    @classmethod
-    def from_ds_config(cls, ds_config: dict) -> "EngineSettings":
-        block = ds_config.get("greedysnake") or {}
-        # DeepSpeed 0.19.8 clips at 1.0 when gradient_clipping is absent (design doc, section 7).
-        return cls(overlap=bool(block.get("optimizer_overlap", True)),
-                   clipping=float(ds_config.get("gradient_clipping", 1.0) or 0.0) > 0,
-                   gradient_host_bytes=float(block.get("gradient_host_memory_mb", 1024)) * 2**20)
-
-    def shares(self, workload: Workload, checkpoint_host_bytes: float) -> Dict[str, float]:
-        """The host shares this configuration gives: gradient slots from the last layer down while they
-        fit (as the engine's arena assigns them), checkpoints up to their budget."""
-        held, total = 0.0, 0.0
-        for layer in reversed(workload.shape.layers):
-            slot = -(-GRAD_BYTES_PER_PARAM * layer.params // 4096) * 4096
-            if held + slot <= self.gradient_host_bytes and held == total:
-                held += slot
-            total += slot
-        checkpoints = workload.micro_batches * (len(workload.shape.layers) - 1) * workload.checkpoint_bytes
-        return {"grad": held / total, "act": min(1.0, checkpoint_host_bytes / checkpoints), "param": 0.0, "opt": 0.0}
-
-
-class _EngineTerms:
-    """Per-layer quantities of one workload on one machine, shared by the engine's phases."""
-
-    def __init__(self, workload: Workload, hardware: Hardware, deferred: int, overlap: bool):
-        self.workload, self.layers = workload, workload.shape.layers
-        self.times, self.rates = layer_times(workload, hardware), _Rates(hardware)
-        self.count, self.m = len(self.layers), workload.micro_batches
-        self.deferred, self.overlap = deferred, overlap
-        self.updates = [_update(layer.params, workload, self.rates) for layer in self.layers]
-        self.param_read = [on_ssd("param", workload.param_bytes * layer.params) for layer in self.layers]
-        self.checkpoints = self.m * workload.checkpoint_bytes   # one layer's inputs, all micro-batches
-
-    def update_in_forward(self, index: int) -> bool:
-        """Layer ``index`` is updated after the step's decision, into the next forward."""
-        return self.overlap and index < self.deferred
-
-
-def engine_phases(workload: Workload, hardware: Hardware, deferred_layers: int, overlap: bool = True) -> List[Phase]:
-    count = len(workload.shape.layers)
-    if not 0 <= deferred_layers <= count:
-        raise PlannerError(f"deferred_layers must be between 0 and {count} (the layers), got {deferred_layers}")
-    terms = _EngineTerms(workload, hardware, deferred_layers if overlap else count, overlap)
-    phases = [_engine_forward(terms, index) for index in range(count - 1)]
-    phases += [_engine_backward(terms, index) for index in range(count - 1, -1, -1)]
-    if not overlap:
-        serial = Linear()
-        for seconds, _, _ in terms.updates:
-            serial += seconds
-        phases.append(Phase("optimizer", serial, {}, serial_name="optimizer step (not overlapped)"))
-    return phases
-
-
-def _engine_forward(terms: _EngineTerms, index: int) -> Phase:
-    rates, following = terms.rates, index + 1
-    serial = Linear()
-    if index == 0 and terms.overlap:
-        serial += terms.updates[0][0]  # the first forward waits for layer 0's update, submitted last
-    if index == 0 or terms.update_in_forward(index):
-        # Its prefetch had nothing to overlap (layer 0) or was skipped while its update ran.
-        serial += terms.param_read[index] * rates.read
-    spill = on_ssd("act", terms.checkpoints)
-    lanes = {"compute": Linear(terms.m * terms.times[index].forward_s) + spill * rates.write}
-    reads, writes = Linear(), spill
-    if terms.update_in_forward(following):  # its update runs now; its read waits for it
-        lanes["optimizer worker"] = terms.updates[following][0]
-        reads, writes = reads + terms.updates[following][1], writes + terms.updates[following][2]
-    else:
-        lanes["prefetch"] = terms.param_read[following] * rates.read
-        reads += terms.param_read[following]
-    lanes["SSD"] = rates.ssd(reads, writes)
-    rates.add_link(lanes, 2 * terms.checkpoints + terms.workload.param_bytes * terms.layers[index].params)
-    return Phase(f"forward[{index}]", serial, lanes, serial_name="fetch wait (update, read)")
-
-
-def _engine_backward(terms: _EngineTerms, index: int) -> Phase:
-    rates, params = terms.rates, terms.layers[index].params
-    flush = on_ssd("grad", GRAD_BYTES_PER_PARAM * params)  # the gradient not kept in host memory: a synchronous write
-    spilled = on_ssd("act", terms.checkpoints) if index > 0 else Linear()
-    # The training thread also hands the gradient over: a copy to host memory and its fp64 norm.
-    lanes = {"compute": Linear(terms.m * terms.times[index].forward_backward_s + params * rates.handoff)
-             + flush * rates.write + spilled * rates.read}
-    reads, writes = spilled, flush
-    if index > 0:
-        lanes["prefetch"] = terms.param_read[index - 1] * rates.read
-        reads += terms.param_read[index - 1]
-    previous = index + 1  # updated during this layer's backward, after its own flush
-    if terms.overlap and previous < terms.count and not terms.update_in_forward(previous):
-        lanes["optimizer worker"] = terms.updates[previous][0]
-        reads, writes = reads + terms.updates[previous][1], writes + terms.updates[previous][2]
-    lanes["SSD"] = rates.ssd(reads, writes)
-    rates.add_link(lanes, 2 * terms.checkpoints + (terms.workload.param_bytes + GRAD_BYTES_PER_PARAM) * params)
-    # The last layer's prefetch was skipped if its update was deferred: it is read now, serially.
-    waits = Linear()
-    if index == terms.count - 1 and terms.update_in_forward(index):
-        waits = terms.param_read[index] * rates.read
-    return Phase(f"backward[{index}]", waits, lanes, serial_name="fetch wait (update, read)")
 
 
 # ----------------------------------------------------------------------------- the paper's vertical model
@@ -314,7 +209,7 @@ def ideal_vertical_phases(workload: Workload, hardware: Hardware, alpha: float) 
     runs in the next forward, the rest in backward."""
     if not 0.0 <= alpha <= 1.0:
         raise PlannerError(f"alpha must be between 0 and 1, got {alpha}")
-    layers, times, rates = workload.shape.layers, layer_times(workload, hardware), _Rates(hardware)
+    layers, times, rates = workload.shape.layers, layer_times(workload, hardware), Rates(hardware)
     count, m = len(layers), workload.micro_batches
     checkpoints = m * workload.checkpoint_bytes
     phases = []
@@ -364,7 +259,7 @@ def horizontal_phases(workload: Workload, hardware: Hardware, settings: Horizont
     (a checkpointed block twice in backward, recompute and backward, unless the fetch is reused); reads
     are serial with compute without prefetch. Then the optimizer step, after every micro-batch: per
     layer, read states and gradient, Adam, write states, gradient and weights, as the swapper does."""
-    layers, times, rates = workload.shape.layers, layer_times(workload, hardware), _Rates(hardware)
+    layers, times, rates = workload.shape.layers, layer_times(workload, hardware), Rates(hardware)
     m = workload.micro_batches
     phases = []
     for sweep in ("forward", "backward"):

@@ -33,6 +33,19 @@ class Hardware:
     grad_handoff_elements_per_s: Optional[float] = None  # the engine's gradient hand-over (copy, fp64 norm)
     host_memory_bytes: Optional[float] = None            # default budget for the planner
     device_memory_bytes: Optional[float] = None
+    # How the engine's transfers and its optimizer worker behave beyond the rates (the probe measures
+    # them; absent in a file: no fixed cost, updates from the rates, no slow-down). A transfer through the engine's SsdStore costs
+    # ``seconds_per_transfer + bytes / rate``: at the engine's layer-sized transfers the fixed part is
+    # several ms here (one aio thread works through a transfer's chunks in turn).
+    ssd_read_seconds_per_transfer: Optional[float] = None
+    ssd_write_seconds_per_transfer: Optional[float] = None
+    # A layer update as the engine's worker runs it, per parameter: with its states in host memory (Adam,
+    # the cast, the new weights written), and what states going through SSD add (read, then write).
+    update_seconds_per_element: Optional[float] = None
+    update_state_io_seconds_per_element: Optional[float] = None
+    # Training compute while the optimizer worker shares its cores (the CPU accelerator): seconds with
+    # one thread fewer over seconds with all of them; 1 when the device computes apart from the host.
+    compute_slowdown_sharing_cores: Optional[float] = None
     notes: str = ""
     # Probe only: layer kind -> times, valid for ``layer_times_for`` (a workload key, see cost_model).
     layer_times: Dict[str, LayerTimes] = field(default_factory=dict)
@@ -53,6 +66,17 @@ class Hardware:
             self.ssd_read_bytes_per_s_single = self.ssd_read_bytes_per_s
         if self.ssd_write_bytes_per_s_single is None:
             self.ssd_write_bytes_per_s_single = self.ssd_write_bytes_per_s
+        for name in ("ssd_read_seconds_per_transfer", "ssd_write_seconds_per_transfer", "update_seconds_per_element",
+                     "update_state_io_seconds_per_element"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value < 0):
+                raise PlannerError(f"hardware {self.name!r}: {name} must be a number >= 0, got {value!r}")
+        slowdown = self.compute_slowdown_sharing_cores
+        if slowdown is not None and (isinstance(slowdown, bool) or not isinstance(slowdown, (int, float))
+                                     or not math.isfinite(slowdown) or slowdown < 1):
+            raise PlannerError(f"hardware {self.name!r}: compute_slowdown_sharing_cores must be a number >= 1 "
+                               f"(1: no slow-down), got {slowdown!r}")
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)

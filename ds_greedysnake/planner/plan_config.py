@@ -2,7 +2,8 @@
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
-from .cost_model import EngineSettings, HorizontalSettings, Workload
+from .cost_model import HorizontalSettings, Workload
+from .engine_model import EngineSettings
 from .errors import PlannerError
 from .hardware import Hardware
 from .search import GIB, Plan, search

@@ -1,7 +1,8 @@
 """Measure this machine for the planner: SSD rates through DeepSpeed's aio handle with the config's
-``aio`` block, CPU Adam elements/s, the gradient hand-over's elements/s, host<->device copies (when
-the device is not the host), and forward / forward+backward seconds of each layer kind of a model at
-the micro-batch size.
+``aio`` block (and the engine's fixed cost per transfer), CPU Adam elements/s, a layer update's cost
+beyond its transfers and Adam, how much training compute slows while the worker shares its cores,
+the gradient hand-over's elements/s, host<->device copies (when the device is not the host), and
+forward / forward+backward seconds of each layer kind of a model at the micro-batch size.
 
     hardware = probe_machine("/path/on/ssd", ds_config, workload)   # a Hardware (to_dict() for JSON)
 
@@ -12,7 +13,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -25,32 +26,33 @@ from .hardware import Hardware, LayerTimes
 MIB = 2**20
 
 
-def _median_seconds(action: Callable[[], None], repeats: int, warmup: int = 1) -> float:
+def _median_seconds(action: Callable[[], None], repeats: int, warmup: int = 1, min_seconds: float = 0.0) -> float:
+    """Median of ``repeats`` timed runs after ``warmup``, more while they add up to under ``min_seconds``
+    (a millisecond layer timed five times moved by 30% between probes here)."""
     times = []
-    for index in range(warmup + repeats):
+    while len(times) < repeats or sum(times) < min_seconds:
         started = time.perf_counter()
         action()
-        if index >= warmup:
-            times.append(time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        if warmup:
+            warmup -= 1
+        else:
+            times.append(elapsed)
     return statistics.median(times)
 
 
 def probe_ssd(folder: str, ds_config: dict, region_mib: int = 128, repeats: int = 3) -> Dict[str, float]:
-    """Write and read one region whole, two ways: through SsdStore, as the engine transfers (a deep
-    queue of chunks), and as one aio op per transfer, as ZeRO-3's swapper issues a tensor."""
+    """The engine's transfers through SsdStore (a deep queue of chunks) at two sizes, for a fixed cost
+    per transfer plus a rate (``_per_transfer``); and one region whole as one aio op per transfer, as
+    ZeRO-3's swapper issues a tensor."""
     os.makedirs(folder, exist_ok=True)
     scratch = tempfile.mkdtemp(prefix="planner_probe_", dir=folder)
     try:
         store = SsdStore(scratch, ds_config, IoCounters(), "probe")
         region = store.create_region("whole", region_mib * MIB, "probe")
-        buffer = store.new_buffer(region)
-        buffer.fill_(7)
-        rates = {"ssd_write_bytes_per_s": region.padded_bytes / _median_seconds(lambda: store.write(region, buffer),
-                                                                                 repeats),
-                 "ssd_read_bytes_per_s": region.padded_bytes / _median_seconds(lambda: store.read(region, buffer),
-                                                                                repeats)}
         handle = deepspeed_compat.new_aio_handle(ds_config)
         plain = aligned_buffer(region.padded_bytes)  # not locked, as ZeRO-3's swapper's without pin_memory
+        plain.fill_(7)
 
         def one_op(kind: str):
             def run():
@@ -60,10 +62,90 @@ def probe_ssd(folder: str, ds_config: dict, region_mib: int = 128, repeats: int 
                     raise OSError(f"aio probe: a {kind} of {region.padded_bytes} bytes in {scratch} did not complete")
             return run
 
-        for kind in ("write", "read"):
-            rates[f"ssd_{kind}_bytes_per_s_single"] = region.padded_bytes / _median_seconds(one_op(kind), repeats)
+        rates = {f"ssd_{kind}_bytes_per_s_single": region.padded_bytes / _median_seconds(one_op(kind), repeats)
+                 for kind in ("write", "read")}
+        rates.update(_per_transfer(store, [max(1, region_mib // 8) * MIB, max(2, region_mib // 2) * MIB],
+                                   2 * repeats + 1))
         return rates
     finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _per_transfer(store: SsdStore, sizes, repeats: int) -> Dict[str, float]:
+    """Reads and writes of two region sizes through the engine's store; the line through both medians
+    gives the rate (its slope) and the fixed cost of a transfer (its intercept, at least 0). Here a
+    transfer of the engine's layer size ran at 55-70% of a 256 MiB one's rate."""
+    seconds = {"read": [], "write": []}
+    for size in sizes:
+        region = store.create_region(f"fit{size}", size, "probe")
+        times, buffers = {"read": [], "write": []}, []
+        for _ in range(min(repeats, 5)):  # fresh buffers, kept to the end (see probe_update)
+            buffers.append(store.new_buffer(region))
+            buffers[-1].fill_(7)
+            times["write"].append(_median_seconds(lambda: store.write(region, buffers[-1]), 1))
+            times["read"].append(_median_seconds(lambda: store.read(region, buffers[-1]), 1))
+        for buffer in buffers:
+            store.free_buffer(buffer)
+        for kind in seconds:
+            seconds[kind].append(statistics.median(times[kind]))
+    rates = {}
+    for kind, (small, large) in seconds.items():
+        slope = (large - small) / (sizes[1] - sizes[0])
+        if slope <= 0:  # a disturbed measurement: the large transfer's rate, no fixed cost
+            slope = large / sizes[1]
+        rates[f"ssd_{kind}_bytes_per_s"] = 1.0 / slope
+        rates[f"ssd_{kind}_seconds_per_transfer"] = max(0.0, large - slope * sizes[1])
+    return rates
+
+
+def probe_update(folder: str, ds_config: dict, numel: int, repeats: int = 5) -> Tuple[float, float]:
+    """One layer update as the engine's worker runs it, per element: (states in host memory: Adam with the
+    gradient in host memory, the new weights cast and written; what the states' SSD round trip adds:
+    read before Adam, written with the weights). Each repeat has fresh buffers, kept to the end, as the
+    engine allocates its buffers once: here a buffer freed and allocated again ran up to 1.6x slower."""
+    os.makedirs(folder, exist_ok=True)
+    scratch = tempfile.mkdtemp(prefix="planner_update_", dir=folder)
+    threads = torch.get_num_threads()
+    # The worker's own thread count (Adam and the cast run on it).
+    torch.set_num_threads(int((ds_config.get("greedysnake") or {}).get("optimizer_worker_threads", 1)))
+    try:
+        store = SsdStore(scratch, ds_config, IoCounters(), "probe")
+        # Two state slots, each update reading the one the previous update wrote, as the engine's do.
+        slots = [store.create_region(f"states{slot}", 12 * numel, "probe") for slot in (0, 1)]
+        params = store.create_region("params", 4 * numel, "probe")
+        hyper = deepspeed_compat.AdamHyperparameters(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+        kernel = deepspeed_compat.CpuAdamKernel(hyper, adamw_mode=True)
+        grads, step = torch.randn(numel), [0]
+
+        def update(state_buffer, param_buffer, on_ssd: bool):
+            step[0] += 1
+            if on_ssd:
+                store.read(slots[step[0] % 2 - 1], state_buffer)
+            master, exp_avg, exp_avg_sq = state_buffer[:12 * numel].view(torch.float32).split(numel)
+            kernel.update(step[0], hyper, master, grads, exp_avg, exp_avg_sq)
+            if on_ssd:
+                store.start_write(slots[step[0] % 2], state_buffer)
+            param_buffer[:4 * numel].view(torch.float32).copy_(master)
+            store.start_write(params, param_buffer)
+            store.wait()
+            if not on_ssd:
+                step[0] += 1  # keep the slot written last the one read next
+
+        first = store.new_buffer(slots[0])
+        first.zero_()
+        store.write(slots[0], first)
+        store.free_buffer(first)
+        trials, buffers = {True: [], False: []}, []
+        for _ in range(repeats):
+            buffers += [store.new_buffer(slots[0]), store.new_buffer(params)]
+            for on_ssd in (True, False):
+                trials[on_ssd].append(_median_seconds(lambda: update(*buffers[-2:], on_ssd), 3))
+        for buffer in buffers:
+            store.free_buffer(buffer)
+        in_host, through_ssd = statistics.median(trials[False]), statistics.median(trials[True])
+        return in_host / numel, max(0.0, through_ssd - in_host) / numel
+    finally:
+        torch.set_num_threads(threads)
         shutil.rmtree(scratch, ignore_errors=True)
 
 
@@ -149,8 +231,26 @@ def probe_layers(workload: Workload, device: torch.device, repeats: int = 5) -> 
                 output.backward(torch.ones_like(output))
             synchronize()
 
-        times[kind] = LayerTimes(_median_seconds(forward, repeats), _median_seconds(forward_backward, repeats))
+        times[kind] = LayerTimes(_median_seconds(forward, repeats, min_seconds=0.1 * repeats / 5),
+                                 _median_seconds(forward_backward, repeats, min_seconds=0.2 * repeats / 5))
     return times
+
+
+def probe_sharing_cores(workload: Workload, device: torch.device, repeats: int = 5) -> Optional[float]:
+    """On the CPU accelerator the optimizer worker (and the aio threads) run on training's cores: the
+    block's forward+backward with one thread fewer over with all of them, the slow-down the cost model
+    gives training compute while the worker runs. None when the device is not the host or one thread runs."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads < 2:
+        return None
+    block = lambda: probe_layers(workload, device, repeats)["block"].forward_backward_s  # noqa: E731
+    alone = block()
+    torch.set_num_threads(threads - 1)
+    try:
+        fewer = block()
+    finally:
+        torch.set_num_threads(threads)
+    return max(1.0, fewer / alone)
 
 
 def probe_machine(nvme_path: str, ds_config: dict, workload: Optional[Workload] = None, quick: bool = False,
@@ -163,11 +263,16 @@ def probe_machine(nvme_path: str, ds_config: dict, workload: Optional[Workload] 
     device = device or deepspeed_compat.accelerator_device()
     rates = probe_ssd(nvme_path, ds_config, region_mib=32 if quick else 128, repeats=2 if quick else 3)
     adam = probe_adam(numel=(1 << 21) if quick else (1 << 23), repeats=3 if quick else 5)
+    # One layer's update at the model's largest layer, at most 4 Mi elements (the probe's buffers stay
+    # small; the cost is per element).
+    largest = min(max(layer.params for layer in workload.shape.layers) if workload is not None else 1 << 22, 1 << 22)
+    update_host, update_state_io = probe_update(nvme_path, ds_config, largest, repeats=3 if quick else 5)
     handoff = probe_grad_handoff(numel=(1 << 20) if quick else (1 << 22))
     link = probe_link(device, num_bytes=(64 if quick else 256) * MIB)
-    layer_times, key, flops = {}, "", None
+    layer_times, key, flops, sharing = {}, "", None, None
     if workload is not None:
         layer_times = probe_layers(workload, device, repeats=3 if quick else 5)
+        sharing = probe_sharing_cores(workload, device, repeats=3 if quick else 5)
         key = workload.compute_key()
         block = next(layer for layer in workload.shape.layers if layer.kind == "block")
         flops = block.forward_flops_per_token * workload.tokens_per_micro_batch / layer_times["block"].forward_s
@@ -179,6 +284,10 @@ def probe_machine(nvme_path: str, ds_config: dict, workload: Optional[Workload] 
                     ssd_read_bytes_per_s_single=rates["ssd_read_bytes_per_s_single"],
                     ssd_write_bytes_per_s=rates["ssd_write_bytes_per_s"],
                     ssd_write_bytes_per_s_single=rates["ssd_write_bytes_per_s_single"], adam_elements_per_s=adam,
+                    ssd_read_seconds_per_transfer=rates["ssd_read_seconds_per_transfer"],
+                    ssd_write_seconds_per_transfer=rates["ssd_write_seconds_per_transfer"],
+                    update_seconds_per_element=update_host, update_state_io_seconds_per_element=update_state_io,
+                    compute_slowdown_sharing_cores=sharing,
                     device_flops_per_s=flops, host_device_bytes_per_s=link, grad_handoff_elements_per_s=handoff,
                     host_memory_bytes=_host_memory(),
                     layer_times=layer_times, layer_times_for=key,

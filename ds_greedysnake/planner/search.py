@@ -3,8 +3,10 @@ shares under a host-memory budget (SciPy's ``linprog``, HiGHS), then the best pl
 
 For fixed M and split, the step time ``sum_k repeat_k * T_k`` is minimised subject to
 ``T_k >= serial_k(x) + lane_kj(x)`` for every phase k and lane j, and the host bytes of the shares
-x = (act, param, opt) within the budget. Shares the engine cannot place in host memory yet
-(parameters, optimizer states) are bounded to 0 when the plan is to be applied.
+x = (act, param, opt, grad) within the budget. Shares the engine cannot place in host memory
+(parameters; optimizer states other than whole front layers') are bounded to 0 when the plan is to be
+applied. The front layers' optimizer states (``optimizer_host_memory_mb``) are whole layers: each split
+is solved with as many of them in host memory as the budget holds, and with none.
 """
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence
@@ -12,17 +14,17 @@ from typing import Dict, Iterable, List, Optional, Sequence
 import numpy
 from scipy.optimize import linprog
 
-from .cost_model import (GRAD_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, SHARES, EngineSettings, HorizontalSettings,
-                         Linear, Phase,
-                         StepPrediction, Workload, engine_phases, evaluate, horizontal_phases, ideal_vertical_phases,
-                         in_host)
+from .cost_model import (GRAD_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, SHARES, HorizontalSettings, Linear, Phase,
+                         StepPrediction, Workload, evaluate, horizontal_phases, ideal_vertical_phases, in_host)
+from .engine_model import (EngineSettings, engine_phases, layers_updated_after_decision, optimizer_host_layers,
+                           slot_bytes)
 from .errors import PlannerError
 from .hardware import Hardware
 from ..schedule import default_deferred_layers
 
 GIB = 2**30
 MIB = 2**20
-# The engine keeps parameters and optimizer states on SSD only; host-resident shares are modelled.
+# The engine keeps parameters on SSD, and optimizer states too but for whole front layers (not a share).
 ENGINE_SHARES = ("act", "grad")
 
 
@@ -97,6 +99,7 @@ class Plan:
     prediction: StepPrediction
     zero_infinity: StepPrediction
     workload: Workload = field(repr=False)
+    optimizer_host_layers: int = 0      # front layers whose optimizer states the engine keeps in host memory
 
     def greedysnake_block(self) -> dict:
         """The ds_config block the engine runs this plan with (checkpoint budget rounded up to a MiB)."""
@@ -109,13 +112,17 @@ class Plan:
             if gradient_bytes + slot > wanted * (1 + 1e-9):
                 break
             gradient_bytes += slot
+        # Exactly the slots of the front layers chosen (the engine stops at the first that does not fit).
+        states = sum(slot_bytes(OPTIMIZER_BYTES_PER_PARAM * layer.params) for layer in layers[:self.optimizer_host_layers])
         return {"enabled": True, "deferred_layers": self.deferred_layers,
                 "activation_host_memory_mb": float(-(-self.shares["act"] * checkpoints // MIB)),
-                "gradient_host_memory_mb": float(-(-gradient_bytes // MIB))}
+                "gradient_host_memory_mb": float(-(-gradient_bytes // MIB)),
+                "optimizer_host_memory_mb": states / MIB}
 
     def to_dict(self) -> dict:
         return {"micro_batches": self.micro_batches, "deferred_layers": self.deferred_layers, "alpha": self.alpha,
-                "shares_in_host_memory": self.shares, "host_memory_bytes": self.host_bytes,
+                "shares_in_host_memory": self.shares, "optimizer_host_layers": self.optimizer_host_layers,
+                "host_memory_bytes": self.host_bytes,
                 "greedysnake": self.prediction.to_dict(), "zero_infinity": self.zero_infinity.to_dict()}
 
 
@@ -144,17 +151,29 @@ def best_plan_for(workload: Workload, hardware: Hardware, budget_bytes: float, z
         candidates = list(splits) if splits is not None else [i / 8 for i in range(9)]
     best = None
     for split in candidates:
-        phases = (engine_phases(workload, hardware, split, settings.overlap) if engine
-                  else ideal_vertical_phases(workload, hardware, split))
-        shares = solve_placement(phases, memory, budget_bytes, free)
-        shares = _fill_host(shares, memory, budget_bytes, free)
-        prediction = evaluate("greedysnake" if engine else "greedysnake (ideal)", phases, workload, shares)
-        if best is None or prediction.seconds < best[0].seconds - 1e-12:
-            best = (prediction, split, shares)
-    prediction, split, shares = best
+        for host_layers in (_host_state_candidates(workload, split, settings, budget_bytes - memory.const)
+                            if engine else [0]):
+            phases = (engine_phases(workload, hardware, split, settings.overlap, host_layers) if engine
+                      else ideal_vertical_phases(workload, hardware, split))
+            states = Linear(sum(slot_bytes(OPTIMIZER_BYTES_PER_PARAM * layer.params)
+                                for layer in workload.shape.layers[:host_layers]))
+            shares = solve_placement(phases, memory + states, budget_bytes, free)
+            shares = _fill_host(shares, memory + states, budget_bytes, free)
+            prediction = evaluate("greedysnake" if engine else "greedysnake (ideal)", phases, workload, shares)
+            if best is None or prediction.seconds < best[0].seconds - 1e-12:
+                best = (prediction, split, shares, host_layers, states.const)
+    prediction, split, shares, host_layers, states_bytes = best
     zero = evaluate("ZeRO-Infinity", horizontal_phases(workload, hardware, zero_settings), workload, {})
     return Plan(workload.micro_batches, split if engine else None, None if engine else split, shares,
-                memory.value(shares), prediction, zero, workload)
+                memory.value(shares) + states_bytes, prediction, zero, workload, host_layers)
+
+
+def _host_state_candidates(workload: Workload, split: int, settings: EngineSettings, left_bytes: float) -> List[int]:
+    """Front layers with optimizer states in host memory: as many as the budget left holds (after the
+    staging buffers), and none (when checkpoints or gradients would gain more from that memory)."""
+    eligible = layers_updated_after_decision(len(workload.shape.layers), split, settings.overlap, settings.clipping)
+    most = optimizer_host_layers(workload, eligible, max(0.0, left_bytes))
+    return sorted({most, 0}, reverse=True)
 
 
 def _fill_host(shares: Dict[str, float], memory: Linear, budget_bytes: float, free: Sequence[str]) -> Dict[str, float]:

@@ -68,8 +68,8 @@ NAMED_SHAPES: Dict[str, GPTShape] = {
     shape.name: shape for shape in (
         GPTShape("gpt-small", num_blocks=4, hidden=512, heads=8, vocab=2048, seq_len=128,
                  notes="scripts/train.py's built-in small GPT"),
-        GPTShape("ab-ssd-bound", num_blocks=2, hidden=1024, heads=8, vocab=2048, seq_len=32,
-                 notes="scripts/ab_bench.py's ssd_bound until main f2b36b5 (micro-batch 1); docs/planner.md's table"),
+        GPTShape("ab-ssd-bound", num_blocks=8, hidden=512, heads=8, vocab=2048, seq_len=8,
+                 notes="scripts/ab_bench.py ssd_bound (micro-batch 1; since main f2b36b5)"),
         GPTShape("ab-compute-bound", num_blocks=2, hidden=512, heads=8, vocab=2048, seq_len=128,
                  notes="scripts/ab_bench.py compute_bound (micro-batch 4)"),
         GPTShape("gpt-65b", num_blocks=80, hidden=8192, heads=64, vocab=50257, seq_len=2048,

@@ -56,7 +56,7 @@ def test_unknown_model_lists_the_known_ones():
 
 
 def test_layers_description():
-    shape = parse_layers("blocks=2,hidden=1024,heads=8,vocab=2048,seq_len=32")
+    shape = parse_layers("blocks=8,hidden=512,heads=8,vocab=2048,seq_len=8")
     assert shape.params == named_shape("ab-ssd-bound").params
     with pytest.raises(PlannerError, match="missing seq_len"):
         parse_layers("blocks=2,hidden=1024,heads=8,vocab=2048")
@@ -122,7 +122,8 @@ def test_auto_plan_applies_only_engine_placements(tmp_path):
                               "deferred_layers": 2}}
     applied, plan, lines = auto_plan(config, modules, str(tmp_path))
     assert applied["greedysnake"]["deferred_layers"] == 2  # set by the user: kept
-    assert applied["greedysnake"]["activation_host_memory_mb"] == plan.greedysnake_block()["activation_host_memory_mb"]
+    for key in ("activation_host_memory_mb", "gradient_host_memory_mb", "optimizer_host_memory_mb"):
+        assert applied["greedysnake"][key] == plan.greedysnake_block()[key]
     assert applied["gradient_accumulation_steps"] == plan.micro_batches  # no batch size fixed, one rank
     assert plan.shares["param"] == 0 and plan.shares["opt"] == 0
     assert any("not applied" in line for line in lines) and "gradient_accumulation_steps" not in config

@@ -1,0 +1,235 @@
+"""ds_greedysnake's engine as it runs, as phases of the cost model (docs/planner.md, "The engine, as
+modelled").
+
+The optimizer worker reads, steps and writes one layer at a time, in order; a gradient not kept in
+host memory is written synchronously; the front ``deferred_layers`` updates run after the step's
+decision and the next forward waits for each before reading that layer. Front layers updated only
+after the decision may keep their optimizer states in host memory (``optimizer_host_memory_mb``):
+their update moves no state through SSD.
+
+Three things the rates alone do not say, measured by the probe (``hardware.py``):
+* every SsdStore transfer has a fixed cost on top of its bytes (``ssd_*_seconds_per_transfer``);
+* a layer update, timed as the worker runs it (``update_seconds_per_element`` with its states in host
+  memory, ``update_state_io_seconds_per_element`` for their SSD round trip);
+* on the CPU accelerator the worker shares the cores with training: while it runs, the training
+  compute slows (``compute_slowdown_sharing_cores``).
+"""
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from .cost_model import (GRAD_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, Linear, Phase, Rates, Workload, layer_times,
+                         on_ssd)
+from .errors import PlannerError
+from .hardware import Hardware
+
+SLOT_ALIGNMENT = 4096  # the engine's host-memory slots are whole 4096-byte multiples
+
+
+def slot_bytes(num_bytes: int) -> int:
+    return -(-num_bytes // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
+
+
+def default_deferred_layers(num_layers: int) -> int:
+    """The engine's default (ds_greedysnake.schedule): a quarter of the layers, at least one."""
+    from ..schedule import default_deferred_layers as engine_default
+    return engine_default(num_layers)
+
+
+def layers_updated_after_decision(num_layers: int, deferred_layers: int, overlap: bool, clipping: bool) -> int:
+    """E: front layers 0..E-1 are only ever updated after the step's decision: every layer without the
+    overlap or with clipping on, else the deferred ones."""
+    return num_layers if (not overlap or clipping) else deferred_layers
+
+
+def optimizer_host_layers(workload: Workload, eligible: int, budget_bytes: float) -> int:
+    """How many front layers get their optimizer states in host memory, as the engine assigns them: from
+    layer 0 up, among the eligible ones, while the running total of slots fits the budget."""
+    held = 0.0
+    for count, layer in enumerate(workload.shape.layers[:eligible]):
+        held += slot_bytes(OPTIMIZER_BYTES_PER_PARAM * layer.params)
+        if held > budget_bytes:
+            return count
+    return eligible
+
+
+@dataclass
+class EngineSettings:
+    """What of ds_config changes the engine's schedule and placement."""
+    overlap: bool = True     # greedysnake.optimizer_overlap
+    clipping: bool = False   # gradient_clipping > 0: every update waits for the global norm (deferred)
+    gradient_host_bytes: float = 1024 * 2**20   # greedysnake.gradient_host_memory_mb (the engine's default)
+    optimizer_host_bytes: float = 1024 * 2**20  # greedysnake.optimizer_host_memory_mb (the engine's default)
+    deferred_layers: Optional[int] = None       # greedysnake.deferred_layers; None: the engine's default
+
+    @classmethod
+    def from_ds_config(cls, ds_config: dict) -> "EngineSettings":
+        block = ds_config.get("greedysnake") or {}
+        deferred = block.get("deferred_layers")
+        # DeepSpeed 0.19.8 clips at 1.0 when gradient_clipping is absent (design doc, section 7).
+        return cls(overlap=bool(block.get("optimizer_overlap", True)),
+                   clipping=float(ds_config.get("gradient_clipping", 1.0) or 0.0) > 0,
+                   gradient_host_bytes=float(block.get("gradient_host_memory_mb", 1024)) * 2**20,
+                   optimizer_host_bytes=float(block.get("optimizer_host_memory_mb", 1024)) * 2**20,
+                   deferred_layers=None if deferred is None else int(deferred))
+
+    def deferred(self, workload: Workload) -> int:
+        """The split the engine runs: every layer while clipping is on, else the block's or the default."""
+        count = len(workload.shape.layers)
+        if self.clipping:
+            return count
+        return default_deferred_layers(count) if self.deferred_layers is None else self.deferred_layers
+
+    def optimizer_host_layers(self, workload: Workload, deferred: Optional[int] = None) -> int:
+        count = len(workload.shape.layers)
+        eligible = layers_updated_after_decision(count, self.deferred(workload) if deferred is None else deferred,
+                                                 self.overlap, self.clipping)
+        return optimizer_host_layers(workload, eligible, self.optimizer_host_bytes)
+
+    def shares(self, workload: Workload, checkpoint_host_bytes: float) -> Dict[str, float]:
+        """The host shares this configuration gives: gradient slots from the last layer down while they
+        fit (as the engine's arena assigns them), checkpoints up to their budget. Optimizer states in host
+        memory are whole front layers (``optimizer_host_layers``), not a share."""
+        held, total = 0.0, 0.0
+        for layer in reversed(workload.shape.layers):
+            slot = slot_bytes(GRAD_BYTES_PER_PARAM * layer.params)
+            if held + slot <= self.gradient_host_bytes and held == total:
+                held += slot
+            total += slot
+        checkpoints = workload.micro_batches * (len(workload.shape.layers) - 1) * workload.checkpoint_bytes
+        return {"grad": held / total, "act": min(1.0, checkpoint_host_bytes / checkpoints), "param": 0.0, "opt": 0.0}
+
+
+def _update(params: int, workload: Workload, rates: Rates, states_in_host: bool) -> Tuple[Linear, Linear, Linear]:
+    """The engine's per-layer update in the worker: read the states and, unless in host memory, the
+    gradient (in flight together); Adam; write the states and the new weights (together). States kept
+    in host memory are updated in place: no state transfer. Returns (worker seconds, SSD bytes read,
+    SSD bytes written).
+
+    With the probe's measurements (``update_seconds_per_element`` with states in host memory,
+    ``update_state_io_seconds_per_element`` for what their SSD round trip adds) the update is those,
+    per parameter; else it is built from the rates, one fixed cost per group of transfers."""
+    state_bytes = 0 if states_in_host else OPTIMIZER_BYTES_PER_PARAM * params
+    grad_bytes, weight_bytes = GRAD_BYTES_PER_PARAM * params, workload.param_bytes * params
+    reads = on_ssd("opt", state_bytes) + on_ssd("grad", grad_bytes)
+    writes = on_ssd("opt", state_bytes) + on_ssd("param", weight_bytes)
+    if rates.update_host is not None and rates.update_state_io is not None:
+        # Measured with the gradient in host memory and the new weights written: a gradient through SSD
+        # adds its read; weights kept in host memory (modelled) save their write.
+        seconds = (Linear(params * rates.update_host, {"param": -weight_bytes * rates.write})
+                   + on_ssd("grad", grad_bytes) * rates.read)
+        if state_bytes:
+            seconds += on_ssd("opt", params * rates.update_state_io)
+        return seconds, reads, writes
+    seconds = Linear(params * rates.adam + rates.write_latency) + writes * rates.write
+    if state_bytes:
+        seconds += rates.read_seconds("opt", state_bytes) + on_ssd("grad", grad_bytes) * rates.read
+    else:
+        seconds += rates.read_seconds("grad", grad_bytes)
+    return seconds, reads, writes
+
+
+class _EngineTerms:
+    """Per-layer quantities of one workload on one machine, shared by the engine's phases."""
+
+    def __init__(self, workload: Workload, hardware: Hardware, deferred: int, overlap: bool, host_states: int):
+        self.workload, self.layers = workload, workload.shape.layers
+        self.times, self.rates = layer_times(workload, hardware), Rates(hardware)
+        self.count, self.m = len(self.layers), workload.micro_batches
+        self.deferred, self.overlap = deferred, overlap
+        self.updates = [_update(layer.params, workload, self.rates, index < host_states)
+                        for index, layer in enumerate(self.layers)]
+        self.param_bytes = [workload.param_bytes * layer.params for layer in self.layers]
+        self.checkpoints = self.m * workload.checkpoint_bytes   # one layer's inputs, all micro-batches
+
+    def param_read(self, index: int) -> Linear:
+        return self.rates.read_seconds("param", self.param_bytes[index])
+
+    def update_in_forward(self, index: int) -> bool:
+        """Layer ``index`` is updated after the step's decision, into the next forward."""
+        return self.overlap and index < self.deferred
+
+    def sharing_cores(self, lanes: Dict[str, Linear]) -> None:
+        """The worker and the training compute share the CPU's cores: while both run, each goes
+        ``slowdown`` times slower than alone. With c and u their times alone, the one that finishes last
+        takes c + (1 - 1/slowdown) u (compute) or u + (1 - 1/slowdown) c (the worker): each lane carries
+        the other's share. Measured here at M=8 of ab_bench's ssd_bound: backward 0.30 s without the
+        worker, 0.39-0.44 s with it; the worker's ten updates 0.34 s alone, 0.49-0.51 s beside training."""
+        if "optimizer worker" in lanes and "prefetch" in lanes:
+            # One SSD serves both processes: the worker's transfers wait behind the prefetch's (and the
+            # other way round), so the two take at least their sum. Measured: the worker's ten updates took
+            # 0.38-0.42 s at M=1 beside the prefetches against 0.35 s inline, with nothing else running.
+            lanes["SSD, worker and prefetch"] = lanes["optimizer worker"] + lanes["prefetch"]
+        if "optimizer worker" in lanes and self.rates.sharing > 0:
+            compute, worker = lanes["compute"], lanes["optimizer worker"]
+            lanes["compute"] = compute + worker * self.rates.sharing
+            lanes["optimizer worker"] = worker + compute * self.rates.sharing
+
+
+def engine_phases(workload: Workload, hardware: Hardware, deferred_layers: int, overlap: bool = True,
+                  optimizer_host_layers: int = 0) -> List[Phase]:
+    """``optimizer_host_layers``: front layers whose states the engine keeps in host memory; they must
+    be updated only after the decision (``layers_updated_after_decision``)."""
+    count = len(workload.shape.layers)
+    if not 0 <= deferred_layers <= count:
+        raise PlannerError(f"deferred_layers must be between 0 and {count} (the layers), got {deferred_layers}")
+    eligible = deferred_layers if overlap else count
+    if not 0 <= optimizer_host_layers <= eligible:
+        raise PlannerError(f"optimizer_host_layers must be between 0 and {eligible} (the layers updated after the "
+                           f"step's decision), got {optimizer_host_layers}")
+    terms = _EngineTerms(workload, hardware, eligible, overlap, optimizer_host_layers)
+    phases = [_engine_forward(terms, index) for index in range(count - 1)]
+    phases += [_engine_backward(terms, index) for index in range(count - 1, -1, -1)]
+    if not overlap:
+        serial = Linear()
+        for seconds, _, _ in terms.updates:
+            serial += seconds
+        phases.append(Phase("optimizer", serial, {}, serial_name="optimizer step (not overlapped)"))
+    return phases
+
+
+def _engine_forward(terms: _EngineTerms, index: int) -> Phase:
+    rates, following = terms.rates, index + 1
+    serial = Linear()
+    if index == 0 and terms.overlap:
+        serial += terms.updates[0][0]  # the first forward waits for layer 0's update, submitted last
+    if index == 0 or terms.update_in_forward(index):
+        # Its prefetch had nothing to overlap (layer 0) or was skipped while its update ran.
+        serial += terms.param_read(index)
+    spill = on_ssd("act", terms.checkpoints)
+    lanes = {"compute": Linear(terms.m * terms.times[index].forward_s) + spill * rates.write}
+    reads, writes = Linear(), spill
+    if terms.update_in_forward(following):  # its update runs now; its read waits for it
+        lanes["optimizer worker"] = terms.updates[following][0]
+        reads, writes = reads + terms.updates[following][1], writes + terms.updates[following][2]
+    else:
+        lanes["prefetch"] = terms.param_read(following)
+        reads += on_ssd("param", terms.param_bytes[following])
+    lanes["SSD"] = rates.ssd(reads, writes)
+    terms.sharing_cores(lanes)
+    rates.add_link(lanes, 2 * terms.checkpoints + terms.param_bytes[index])
+    return Phase(f"forward[{index}]", serial, lanes, serial_name="fetch wait (update, read)")
+
+
+def _engine_backward(terms: _EngineTerms, index: int) -> Phase:
+    rates, params = terms.rates, terms.layers[index].params
+    flush = on_ssd("grad", GRAD_BYTES_PER_PARAM * params)  # the gradient not kept in host memory: a synchronous write
+    spilled = on_ssd("act", terms.checkpoints) if index > 0 else Linear()
+    # The training thread also hands the gradient over: a copy to host memory and its squared norm.
+    lanes = {"compute": Linear(terms.m * terms.times[index].forward_backward_s + params * rates.handoff)
+             + rates.write_seconds("grad", GRAD_BYTES_PER_PARAM * params) + spilled * rates.read}
+    reads, writes = spilled, flush
+    if index > 0:
+        lanes["prefetch"] = terms.param_read(index - 1)
+        reads += on_ssd("param", terms.param_bytes[index - 1])
+    previous = index + 1  # updated during this layer's backward, after its own flush
+    if terms.overlap and previous < terms.count and not terms.update_in_forward(previous):
+        lanes["optimizer worker"] = terms.updates[previous][0]
+        reads, writes = reads + terms.updates[previous][1], writes + terms.updates[previous][2]
+    lanes["SSD"] = rates.ssd(reads, writes)
+    terms.sharing_cores(lanes)
+    rates.add_link(lanes, 2 * terms.checkpoints + (terms.workload.param_bytes + GRAD_BYTES_PER_PARAM) * params)
+    # The last layer's prefetch was skipped if its update was deferred: it is read now, serially.
+    waits = Linear()
+    if index == terms.count - 1 and terms.update_in_forward(index):
+        waits = terms.param_read(index)
+    return Phase(f"backward[{index}]", waits, lanes, serial_name="fetch wait (update, read)")
