@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Tuple
 
 from .cost_model import (GRAD_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, Linear, Phase, Rates, Workload, layer_times,
                          on_ssd)
+from ..schedule import default_deferred_layers, layers_updated_after_decision
 from .errors import PlannerError
 from .hardware import Hardware
 
@@ -29,16 +30,6 @@ def slot_bytes(num_bytes: int) -> int:
     return -(-num_bytes // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
 
 
-def default_deferred_layers(num_layers: int) -> int:
-    """The engine's default (ds_greedysnake.schedule): a quarter of the layers, at least one."""
-    from ..schedule import default_deferred_layers as engine_default
-    return engine_default(num_layers)
-
-
-def layers_updated_after_decision(num_layers: int, deferred_layers: int, overlap: bool, clipping: bool) -> int:
-    """E: front layers 0..E-1 are only ever updated after the step's decision: every layer without the
-    overlap or with clipping on, else the deferred ones."""
-    return num_layers if (not overlap or clipping) else deferred_layers
 
 
 def optimizer_host_layers(workload: Workload, eligible: int, budget_bytes: float) -> int:
@@ -81,8 +72,9 @@ class EngineSettings:
 
     def optimizer_host_layers(self, workload: Workload, deferred: Optional[int] = None) -> int:
         count = len(workload.shape.layers)
-        eligible = layers_updated_after_decision(count, self.deferred(workload) if deferred is None else deferred,
-                                                 self.overlap, self.clipping)
+        eligible = layers_updated_after_decision(count, self.overlap,
+                                                 self.deferred(workload) if deferred is None else deferred,
+                                                 self.clipping)
         return optimizer_host_layers(workload, eligible, self.optimizer_host_bytes)
 
     def shares(self, workload: Workload, checkpoint_host_bytes: float) -> Dict[str, float]:

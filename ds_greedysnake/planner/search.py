@@ -171,7 +171,7 @@ def best_plan_for(workload: Workload, hardware: Hardware, budget_bytes: float, z
 def _host_state_candidates(workload: Workload, split: int, settings: EngineSettings, left_bytes: float) -> List[int]:
     """Front layers with optimizer states in host memory: as many as the budget left holds (after the
     staging buffers), and none (when checkpoints or gradients would gain more from that memory)."""
-    eligible = layers_updated_after_decision(len(workload.shape.layers), split, settings.overlap, settings.clipping)
+    eligible = layers_updated_after_decision(len(workload.shape.layers), settings.overlap, split, settings.clipping)
     most = optimizer_host_layers(workload, eligible, max(0.0, left_bytes))
     return sorted({most, 0}, reverse=True)
 

@@ -29,9 +29,9 @@ def state_slot(layer) -> int:
 
 
 def test_eligible_layers_are_the_ones_updated_after_the_decision():
-    assert layers_updated_after_decision(10, 2, overlap=True, clipping=False) == 2
-    assert layers_updated_after_decision(10, 2, overlap=False, clipping=False) == 10
-    assert layers_updated_after_decision(10, 2, overlap=True, clipping=True) == 10
+    assert layers_updated_after_decision(10, True, 2, False) == 2
+    assert layers_updated_after_decision(10, False, 2, False) == 10
+    assert layers_updated_after_decision(10, True, 2, True) == 10
 
 
 def test_optimizer_host_layers_are_a_prefix_that_fits():
