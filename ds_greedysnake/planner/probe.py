@@ -99,52 +99,62 @@ def _per_transfer(store: SsdStore, sizes, repeats: int) -> Dict[str, float]:
 
 
 def probe_update(folder: str, ds_config: dict, numel: int, repeats: int = 5) -> Tuple[float, float]:
-    """One layer update as the engine's worker runs it, per element: (states in host memory: Adam with the
-    gradient in host memory, the new weights cast and written; what the states' SSD round trip adds:
-    read before Adam, written with the weights). Each repeat has fresh buffers, kept to the end, as the
-    engine allocates its buffers once: here a buffer freed and allocated again ran up to 1.6x slower."""
+    """Layer updates as the engine's worker runs them, per element: (states in host memory: Adam with the
+    gradient in host memory, the new weights cast and written; what the states' SSD round trip adds).
+    Several updates of ``numel`` elements are queued on the engine's own ``UpdatePipeline``, so the next
+    update's read overlaps the current one's Adam and writes, as in the worker."""
+    from ..host_memory import HostArena, SharedHostMemory
+    from ..update_pipeline import STATE_PIECE_NUMEL, UpdateBuffers, UpdatePipeline, piece_ranges
+    from ..updates import UpdateTask, plan_write
+
     os.makedirs(folder, exist_ok=True)
     scratch = tempfile.mkdtemp(prefix="planner_update_", dir=folder)
     threads = torch.get_num_threads()
     # The worker's own thread count (Adam and the cast run on it).
     torch.set_num_threads(int((ds_config.get("greedysnake") or {}).get("optimizer_worker_threads", 1)))
+    layers, unlimited = 4, 1 << 62
+    numels = [numel] * layers
+    host = SharedHostMemory(HostArena.for_gradients(numels, unlimited),
+                            HostArena.for_optimizer_states(numels, layers, unlimited))
     try:
         store = SsdStore(scratch, ds_config, IoCounters(), "probe")
-        # Two state slots, each update reading the one the previous update wrote, as the engine's do.
-        slots = [store.create_region(f"states{slot}", 12 * numel, "probe") for slot in (0, 1)]
-        params = store.create_region("params", 4 * numel, "probe")
         hyper = deepspeed_compat.AdamHyperparameters(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
-        kernel = deepspeed_compat.CpuAdamKernel(hyper, adamw_mode=True)
-        grads, step = torch.randn(numel), [0]
+        pipeline = UpdatePipeline(store, deepspeed_compat.CpuAdamKernel(hyper, adamw_mode=True),
+                                  UpdateBuffers(store, numel, min(numel, STATE_PIECE_NUMEL), 0), host)
+        ranges = piece_ranges(numel, STATE_PIECE_NUMEL)
+        slots = [[[store.create_region(f"s{layer}_{slot}_p{piece}", 12 * (stop - start), "probe")
+                   for piece, (start, stop) in enumerate(ranges)] for slot in (0, 1)] for layer in range(layers)]
+        params = [store.create_region(f"p{layer}", 4 * numel, "probe") for layer in range(layers)]
+        zeros = store.buffer(max(region.padded_bytes for region in slots[0][0]))
+        zeros.zero_()
+        for layer in range(layers):
+            host.gradients.slot(layer, numel).normal_()
+            host.optimizer_states.slot(layer, 3 * numel).zero_()
+            for region in slots[layer][0]:
+                store.write(region, zeros)
+        store.free_buffer(zeros)
+        step = [0]
 
-        def update(state_buffer, param_buffer, on_ssd: bool):
+        def sweep(on_ssd: bool) -> None:
             step[0] += 1
-            if on_ssd:
-                store.read(slots[step[0] % 2 - 1], state_buffer)
-            master, exp_avg, exp_avg_sq = state_buffer[:12 * numel].view(torch.float32).split(numel)
-            kernel.update(step[0], hyper, master, grads, exp_avg, exp_avg_sq)
-            if on_ssd:
-                store.start_write(slots[step[0] % 2], state_buffer)
-            param_buffer[:4 * numel].view(torch.float32).copy_(master)
-            store.start_write(params, param_buffer)
-            store.wait()
+            committed = (step[0] - 1) % 2  # each sweep reads the slot the previous one wrote
+            for layer in range(layers):
+                state_in = slots[layer][committed] if on_ssd else None
+                state_out = [plan_write(region) for region in slots[layer][1 - committed]] if on_ssd else None
+                pipeline.add(UpdateTask(step[0] * layers + layer, layer, numel, torch.float32, state_in, state_out,
+                                        STATE_PIECE_NUMEL, None, plan_write(params[layer]), step[0], hyper, 1.0))
+            pipeline.drain()
             if not on_ssd:
                 step[0] += 1  # keep the slot written last the one read next
 
-        first = store.new_buffer(slots[0])
-        first.zero_()
-        store.write(slots[0], first)
-        store.free_buffer(first)
-        trials, buffers = {True: [], False: []}, []
+        trials = {True: [], False: []}
         for _ in range(repeats):
-            buffers += [store.new_buffer(slots[0]), store.new_buffer(params)]
             for on_ssd in (True, False):
-                trials[on_ssd].append(_median_seconds(lambda: update(*buffers[-2:], on_ssd), 3))
-        for buffer in buffers:
-            store.free_buffer(buffer)
+                trials[on_ssd].append(_median_seconds(lambda: sweep(on_ssd), 3) / layers)
         in_host, through_ssd = statistics.median(trials[False]), statistics.median(trials[True])
         return in_host / numel, max(0.0, through_ssd - in_host) / numel
     finally:
+        host.close()
         torch.set_num_threads(threads)
         shutil.rmtree(scratch, ignore_errors=True)
 
