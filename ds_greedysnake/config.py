@@ -74,7 +74,8 @@ class GreedySnakeConfig(DeepSpeedConfigModel):
 
     auto: bool = False
     """Plan at initialize (ds_greedysnake.planner, docs/planner.md): choose ``deferred_layers``,
-    ``activation_host_memory_mb`` and ``gradient_host_memory_mb`` unless set here, and M (gradient_accumulation_steps) when ds_config
+    ``activation_host_memory_mb``, ``gradient_host_memory_mb`` and ``optimizer_host_memory_mb`` unless set
+    here, and M (gradient_accumulation_steps) when ds_config
     fixes no batch size and one rank runs; the choices are logged. Built-in GPT models only."""
 
     plan_hardware: Optional[str] = None
