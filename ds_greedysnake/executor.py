@@ -69,7 +69,8 @@ class Executor:
     def _run_schedule(self, micro_batches, losses, output_grads, seconds) -> StepDecision:
         decision: Optional[StepDecision] = None
         # Named ranges for torch.profiler traces, only while one records: each costs ~40 us otherwise.
-        profiling = torch.autograd.profiler._is_profiler_enabled
+        # The flag is torch-private: without it, always record (correct, just slower).
+        profiling = getattr(torch.autograd.profiler, "_is_profiler_enabled", True)
         for op in self.schedule(len(micro_batches)):
             started = time.perf_counter()
             with record_function(f"gs::{op}") if profiling else nullcontext():
