@@ -101,7 +101,8 @@ class GreedySnakeEngine(EngineBase):
                                   setup.config.optimizer_worker_threads, self.parallel,
                                   int(setup.config.gradient_host_memory_mb * 2**20),
                                   int(setup.config.optimizer_host_memory_mb * 2**20),
-                                  layers_updated_after_decision(num_layers, overlap, deferred, clipping > 0))
+                                  layers_updated_after_decision(num_layers, overlap, deferred, clipping > 0),
+                                  int(setup.config.optimizer_read_ahead_mb * 2**20))
         # Two buffers: the layer computing and the one being prefetched; a third for a lender resident
         # with its borrower (tied embeddings: layer 0 stays with the head).
         pool = BufferPool(param_store, max(padded_size(layer.shard_bytes) for layer in self.layers),

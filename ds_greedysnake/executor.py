@@ -63,6 +63,9 @@ class Executor:
             raise
         self.activations.clear()
         self._rng_states.clear()
+        # The next step updates layers in this same order: its first state reads can start now.
+        self.optimizer.announce_update_order([op.layer for op in self.schedule(num_micro_batches)
+                                              if op.kind == OpKind.UPDATE])
         ordered_losses = [float(losses[index]) for index in range(num_micro_batches)]
         return StepResult(ordered_losses, decision, dict(seconds))
 

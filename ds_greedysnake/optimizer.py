@@ -12,9 +12,14 @@ Front layers that are only updated after the decision may instead keep their sta
 shared host memory (``optimizer_host_memory_mb``), updated in place: no state goes through SSD for
 them, and the next forward, which waits for those updates first, waits less.
 
+With the worker, the states the next step's updates read first are hinted after each step
+(``announce_update_order``): the worker reads them while it has nothing else to do
+(``optimizer_read_ahead_mb``, update_pipeline.py).
+
 The global part of a step (gradient norm, non-finite skip, clip coefficient, learning rate and
 step count) needs every layer's gradient and is decided once, in ``decide_step``.
 """
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
@@ -27,7 +32,7 @@ from .host_memory import HostArena, SharedHostMemory
 from .layer import LayerOwner
 from .parallel import DataParallel
 from .ssd import Region, SsdStore, padded_size
-from .update_pipeline import STATE_PIECE_NUMEL, piece_ranges
+from .update_pipeline import STATE_PIECE_NUMEL, ReadAheadPiece, piece_ranges
 from .updates import (BufferSizes, InlineUpdater, ReplayTask, UpdateHandle, Updater, UpdateTask, WorkerUpdater,
                       plan_write)
 
@@ -77,7 +82,8 @@ class LayerwiseAdam(torch.optim.Optimizer):
 
     def __init__(self, layers: List[LayerOwner], store: SsdStore, ds_config: Dict[str, Any],
                  gradient_clipping: float, overlap: bool, worker_threads: int, parallel: DataParallel,
-                 gradient_host_bytes: int, optimizer_host_bytes: int = 0, post_decision_layers: int = 0):
+                 gradient_host_bytes: int, optimizer_host_bytes: int = 0, post_decision_layers: int = 0,
+                 read_ahead_bytes: int = 0):
         hyper, adamw_mode = adam_settings(ds_config["optimizer"])
         defaults = {"lr": hyper.lr, "betas": (hyper.beta1, hyper.beta2), "eps": hyper.eps,
                     "weight_decay": hyper.weight_decay, "bias_correction": hyper.bias_correction}
@@ -115,13 +121,18 @@ class LayerwiseAdam(torch.optim.Optimizer):
                             min(self._piece_numel, max((shard_numels[index] for index in self._state_regions),
                                                        default=0)),
                             max((shard_numels[index] for index in self._grad_regions), default=0))
+        # Spare piece buffers of the worker's read-ahead: what the budget holds, at most one per piece on SSD.
+        ssd_pieces = sum(len(slots[0]) for slots in self._state_regions.values())
+        piece_bytes = padded_size(12 * sizes.largest_ssd_state_piece_numel)
+        self.read_ahead_pieces = min(ssd_pieces, read_ahead_bytes // piece_bytes) if overlap and ssd_pieces else 0
         self._state_buffer = (store.buffer(padded_size(12 * sizes.largest_ssd_state_piece_numel))
                               if sizes.largest_ssd_state_piece_numel else None)
         self._grad_buffer = (store.buffer(padded_size(4 * sizes.largest_ssd_grad_numel))
                              if sizes.largest_ssd_grad_numel else None)
         if overlap:
             self.updater: Updater = WorkerUpdater(store.counters, store.folder, store.ds_config, hyper, adamw_mode,
-                                                  sizes, worker_threads, self.host)
+                                                  sizes._replace(read_ahead_pieces=self.read_ahead_pieces),
+                                                  worker_threads, self.host)
         else:
             self.updater = InlineUpdater(store, CpuAdamKernel(hyper, adamw_mode), sizes, self.host)
 
@@ -201,6 +212,17 @@ class LayerwiseAdam(torch.optim.Optimizer):
         else:
             self._commit(layer, handle, state_slot, param_slot)
 
+    def announce_update_order(self, layer_order: List[int]) -> None:
+        """After a step: the layers the next step will update, in order. Their committed state pieces
+        on SSD (final now: every update of this step is submitted and decided) are hinted to the
+        worker, which reads them while it idles before the next backward's first gradient."""
+        if not self.read_ahead_pieces:
+            return
+        pieces = [ReadAheadPiece(layer, index, copy.copy(region))
+                  for layer in layer_order if layer in self._state_regions
+                  for index, region in enumerate(self._state_regions[layer][self._state_slot[layer]])]
+        self.updater.read_ahead(pieces[:self.read_ahead_pieces])
+
     def abandon_step(self) -> None:
         """A step failed before its decision: forget its gradients and discard its speculative updates."""
         self._grad_sq_norms = [None] * len(self._layers)
@@ -245,6 +267,7 @@ class LayerwiseAdam(torch.optim.Optimizer):
     def _write_committed_states(self, layer: LayerOwner, state: LayerState) -> None:
         """Into the layer's host slot, or piece by piece into its committed SSD slot."""
         values = (state.master, state.exp_avg, state.exp_avg_sq)
+        self.updater.cancel_read_ahead()  # no worker read of these states may be in flight or kept
         if layer.index not in self._state_regions:
             slot = self.host.optimizer_states.slot(layer.index, 3 * layer.shard_numel)
             for part, value in zip(slot.split(layer.shard_numel), values):

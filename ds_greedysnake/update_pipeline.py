@@ -11,6 +11,12 @@ Reading one layer while the previous one is written kept the SSD busy where the 
 read / Adam / write sequence left it idle half the time, and two piece buffers bound the locked
 memory by the piece size instead of 12 bytes times the largest layer.
 
+Between the last update of one step and the first gradient of the next (the end of the next forward
+and the start of its backward) nothing is queued and the SSD would idle: the training process hints
+the pieces the next step's updates will read first (``ReadAheadPiece``, in their order), and the
+pipeline reads them into its spare piece buffers meanwhile (``read_ahead``), so those updates start
+with their states already in memory.
+
 States kept in host memory (``host_memory.py``) are one piece, updated in place with no state I/O.
 The new weights of a layer are cast into a layer-sized buffer piece by piece and written once its
 last piece is done; a gradient that comes through SSD is read with the layer's first piece.
@@ -18,7 +24,7 @@ last piece is done; a gradient that comes through SSD is read with the layer's f
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Deque, List, Optional, Tuple
+from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -44,6 +50,15 @@ class UpdateResult:
     error: Optional[str] = None
 
 
+@dataclass(frozen=True)
+class ReadAheadPiece:
+    """A piece of committed states the next update of ``layer`` reads (its ``index``-th): ``region`` is a
+    copy carrying the generation that update will expect."""
+    layer: int
+    index: int
+    region: Region
+
+
 @dataclass
 class _Piece:
     task: "UpdateTask"  # noqa: F821 (updates.UpdateTask, which imports this module)
@@ -54,14 +69,16 @@ class _Piece:
 
 
 class UpdateBuffers:
-    """Aligned host buffers of ``store``; one set per executing process: two piece buffers (none when every
-    layer's states are in host memory), a gradient buffer for the largest layer whose gradient comes
-    through SSD (none when all are in host memory), and the new weights of the largest layer."""
+    """Aligned host buffers of ``store``; one set per executing process: two piece buffers plus
+    ``read_ahead_pieces`` more (none when every layer's states are in host memory), a gradient buffer for
+    the largest layer whose gradient comes through SSD (none when all are in host memory), and the new
+    weights of the largest layer."""
 
     def __init__(self, store: SsdStore, largest_numel: int, largest_ssd_state_piece_numel: int,
-                 largest_ssd_grad_numel: int):
+                 largest_ssd_grad_numel: int, read_ahead_pieces: int = 0):
         piece_bytes = padded_size(12 * largest_ssd_state_piece_numel)
-        self.pieces = [store.buffer(piece_bytes) for _ in range(2)] if largest_ssd_state_piece_numel else []
+        count = 2 + read_ahead_pieces
+        self.pieces = [store.buffer(piece_bytes) for _ in range(count)] if largest_ssd_state_piece_numel else []
         self.grad = store.buffer(padded_size(4 * largest_ssd_grad_numel)) if largest_ssd_grad_numel else None
         self.params = store.buffer(padded_size(4 * largest_numel))
 
@@ -79,6 +96,11 @@ class UpdatePipeline:
         self._io_bytes = {}                     # task_id -> [read, written], counted at issue
         self._started = {}                      # task_id -> when its first piece was issued
         self._last_completion = time.perf_counter()
+        self._hints: Deque[ReadAheadPiece] = deque()  # pieces the next updates read first, in their order
+        self._read_ahead: Dict[Tuple[int, int], Tuple[Region, torch.Tensor]] = {}  # (layer, index) -> read early
+        # Two buffers always stay for the rotation: the piece in Adam, the one being written or read.
+        self._read_ahead_limit = max(0, len(buffers.pieces) - 2)
+        self._orphan_read_bytes = 0  # read ahead, then discarded: reported with the next result
 
     def add(self, task) -> None:
         """Queue an update, earliest deadline first: the next forward needs layer 0's new weights first, so
@@ -125,6 +147,37 @@ class UpdatePipeline:
             finished.extend(self.advance())
         return finished
 
+    def hint(self, pieces: Sequence[ReadAheadPiece]) -> None:
+        """The pieces the next updates will read first, in the order those updates will come; replaces
+        the previous hint. What was already read ahead stays until used or found stale."""
+        self._hints = deque(pieces[:self._read_ahead_limit])
+
+    def read_ahead(self) -> bool:
+        """While nothing is queued or in flight (every update so far written, so the committed states on
+        SSD are final): read the next hinted piece into a spare piece buffer, and wait for it. One piece
+        at a time, so that an update arriving meanwhile waits for one piece read at most, not for every
+        one (the aio handle can only wait for all it has in flight). False: nothing to read."""
+        while self.idle() and self._hints and len(self._read_ahead) < self._read_ahead_limit:
+            hint = self._hints.popleft()
+            key = (hint.layer, hint.index)
+            if key in self._read_ahead:
+                if _same_version(self._read_ahead[key][0], hint.region):
+                    continue
+                self._discard_read_ahead(key)
+            buffer = self._free_buffer()
+            self._store.read(hint.region, buffer)  # checked (tag) before it can be used
+            self._read_ahead[key] = (hint.region, buffer)
+            return True
+        return False
+
+    def cancel_read_ahead(self) -> List[UpdateResult]:
+        """Forget hints and pieces read ahead, with no read left in flight: before the training process
+        rewrites committed states itself (loading a checkpoint)."""
+        self._hints.clear()
+        for key in list(self._read_ahead):
+            self._discard_read_ahead(key)
+        return []
+
     def abandon(self) -> list:
         """After a failure: every update held, in order; the pipeline is left empty, with no transfer in
         flight (an aio handle destroyed with pending reads aborts the process)."""
@@ -139,6 +192,9 @@ class UpdatePipeline:
         self._queue.clear()
         self._current, self._completing, self._next_piece = None, [], 0
         self._writing_buffer = None
+        self._hints.clear()
+        self._orphan_read_bytes += sum(region.padded_bytes for region, _ in self._read_ahead.values())
+        self._read_ahead.clear()
         return held
 
     # ------------------------------------------------------------------ steps of one piece
@@ -162,9 +218,34 @@ class UpdatePipeline:
                 self._read(task, task.grad, self._buffers.grad)
         buffer = None
         if task.state_in is not None:
-            buffer = next(b for b in self._buffers.pieces if b is not self._writing_buffer and b is not busy)
-            self._read(task, task.state_in[index], buffer)
+            buffer = self._take_read_ahead(task, index)
+            if buffer is None:
+                buffer = self._free_buffer(busy)
+                self._read(task, task.state_in[index], buffer)
         return _Piece(task, index, start, stop, buffer)
+
+    def _free_buffer(self, busy: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A piece buffer neither written from, ``busy``, nor holding a piece read ahead."""
+        taken = [buffer for _, buffer in self._read_ahead.values()] + [self._writing_buffer, busy]
+        return next(b for b in self._buffers.pieces if not any(b is other for other in taken))
+
+    def _take_read_ahead(self, task, index: int) -> Optional[torch.Tensor]:
+        """The buffer holding this piece if it was read ahead, and is still what the update reads."""
+        key = (task.layer, index)
+        if key not in self._read_ahead:
+            return None
+        region, buffer = self._read_ahead[key]
+        if not _same_version(region, task.state_in[index]):
+            self._discard_read_ahead(key)
+            return None
+        del self._read_ahead[key]
+        self._io_bytes[task.task_id][0] += region.padded_bytes
+        return buffer
+
+    def _discard_read_ahead(self, key: Tuple[int, int]) -> None:
+        # No read ahead is ever in flight here: ``read_ahead`` waits for each.
+        region, _ = self._read_ahead.pop(key)
+        self._orphan_read_bytes += region.padded_bytes
 
     def _compute(self, piece: _Piece) -> None:
         task, count = piece.task, piece.stop - piece.start
@@ -202,6 +283,8 @@ class UpdatePipeline:
             # Busy time, not overlapping spans: from when this update started or the previous ended.
             seconds = now - max(self._started.pop(task.task_id), self._last_completion)
             read, written = self._io_bytes.pop(task.task_id)
+            # Bytes read ahead and discarded were read all the same: counted with the next result.
+            read, self._orphan_read_bytes = read + self._orphan_read_bytes, 0
             finished.append(UpdateResult(task.task_id, seconds, read, written))
             self._last_completion = now
         self._completing = []
@@ -214,3 +297,7 @@ class UpdatePipeline:
     def _write(self, task, region: Region, buffer: torch.Tensor) -> None:
         self._store.start_write(region, buffer)
         self._io_bytes[task.task_id][1] += region.padded_bytes
+
+
+def _same_version(region: Region, other: Region) -> bool:
+    return region.region_id == other.region_id and region.generation == other.generation

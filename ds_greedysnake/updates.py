@@ -16,14 +16,14 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 from dataclasses import dataclass
-from typing import Dict, List, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 
 from .deepspeed_compat import AdamHyperparameters, CpuAdamKernel
 from .host_memory import SharedHostMemory
 from .ssd import IoCounters, Region, SsdStore
-from .update_pipeline import UpdateBuffers, UpdatePipeline, UpdateResult
+from .update_pipeline import ReadAheadPiece, UpdateBuffers, UpdatePipeline, UpdateResult
 
 _WORKER_POLL_SECONDS = 1.0
 
@@ -52,11 +52,29 @@ class ReplayTask:
     hyper: AdamHyperparameters
 
 
+@dataclass
+class ReadAhead:
+    """The pieces the next step's updates read first, in order (``UpdatePipeline.hint``)."""
+    pieces: List[ReadAheadPiece]
+
+
+@dataclass
+class CancelReadAhead:
+    """Drop hints and pieces read ahead; the worker answers ``Ack`` once no read of theirs is in flight."""
+
+
+@dataclass
+class Ack:
+    what: str
+
+
 class BufferSizes(NamedTuple):
-    """Element counts the update buffers are sized for (see ``UpdateBuffers``)."""
+    """Element counts the update buffers are sized for, and how many spare piece buffers the read-ahead
+    gets (see ``UpdateBuffers``)."""
     largest_numel: int
     largest_ssd_state_piece_numel: int
     largest_ssd_grad_numel: int
+    read_ahead_pieces: int = 0
 
 
 def plan_write(region: Region) -> Region:
@@ -107,6 +125,12 @@ class Updater:
 
     def poll(self) -> None:
         pass
+
+    def read_ahead(self, pieces: Sequence[ReadAheadPiece]) -> None:
+        """Hint the pieces the next step's updates read first; only a worker has time to use it."""
+
+    def cancel_read_ahead(self) -> None:
+        """Returns once nothing read ahead is held or in flight (before rewriting committed states)."""
 
     def wait_for(self, handle: UpdateHandle) -> None:
         raise NotImplementedError
@@ -169,20 +193,40 @@ def worker_main(task_fd: int, result_fd: int) -> None:
     pipeline = UpdatePipeline(store, kernel, UpdateBuffers(store, *sizes), SharedHostMemory.attach(host_layouts))
     results.send("ready")
     while True:
-        # Block for a message only when nothing is in flight.
+        # Block for a message only when no update is in flight; idle, read ahead first.
         while pipeline.idle() or tasks.poll():
+            if pipeline.idle() and not tasks.poll() and _read_ahead(pipeline):
+                continue
             try:
                 message = tasks.recv()
             except EOFError:
-                return  # the training process is gone
+                message = None  # the training process is gone
             if message is None:
+                pipeline.abandon()  # an aio handle destroyed with reads in flight aborts the process
                 return
             if isinstance(message, ReplayTask):
                 _send_all(results, _guarded(pipeline, pipeline.drain))
                 kernel.replay_steps(message.last_step, message.hyper)
+            elif isinstance(message, ReadAhead):
+                pipeline.hint(message.pieces)
+            elif isinstance(message, CancelReadAhead):
+                _send_all(results, _guarded(pipeline, pipeline.cancel_read_ahead))
+                results.send(Ack("read-ahead cancelled"))
             else:
                 pipeline.add(message)
         _send_all(results, _guarded(pipeline, pipeline.advance))
+
+
+def _read_ahead(pipeline: UpdatePipeline) -> bool:
+    """One piece read ahead. A failure here belongs to no update: it is reported on stderr, what was read
+    ahead is dropped, and the updates read their states themselves (and fail loudly if the SSD does)."""
+    try:
+        return pipeline.read_ahead()
+    except Exception:
+        print(f"greedysnake optimizer worker: reading ahead failed, continuing without:\n{traceback.format_exc()}",
+              file=sys.stderr, flush=True)
+        pipeline.abandon()
+        return False
 
 
 def _guarded(pipeline: UpdatePipeline, action) -> List[UpdateResult]:
@@ -240,6 +284,14 @@ class WorkerUpdater(Updater):
     def poll(self) -> None:
         while self._results.poll():
             self._complete(self._results.recv())
+
+    def read_ahead(self, pieces: Sequence[ReadAheadPiece]) -> None:
+        self._tasks.send(ReadAhead(list(pieces)))
+
+    def cancel_read_ahead(self) -> None:
+        self._tasks.send(CancelReadAhead())
+        while not isinstance(message := self._receive(timeout=None, expecting="the read-ahead to stop"), Ack):
+            self._complete(message)
 
     def wait_for(self, handle: UpdateHandle) -> None:
         started = time.perf_counter()
