@@ -47,12 +47,13 @@ class GreedySnakeConfig(DeepSpeedConfigModel):
     state on SSD, which matters most for the layers the next forward waits on first. 0 keeps every
     state on SSD."""
 
-    optimizer_read_ahead_mb: float = Field(256.0, ge=0)
+    optimizer_read_ahead_mb: float = Field(0.0, ge=0)
     """Host memory (MiB, locked in the optimizer worker) for reading optimizer states early. After a
     step's last update the worker has nothing to do until the next backward hands it a gradient; it
     reads the states the next updates will need first (the last layers', in pieces of up to 4 Mi
     elements, 12 bytes each) into this many spare buffers meanwhile, so that SSD time is not lost.
-    Only with ``optimizer_overlap``. 0 turns it off."""
+    Only with ``optimizer_overlap``. Off (0) by default: on this project's 2-core test machine it did not
+    make steps faster (docs/ab_bench.md); try it where the worker idles before backward."""
 
     fp32_grad_accumulation: bool = True
     """Accumulate each layer's gradient over the micro-batches in fp32, whatever the compute

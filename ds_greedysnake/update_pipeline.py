@@ -48,6 +48,7 @@ class UpdateResult:
     bytes_read: int
     bytes_written: int
     error: Optional[str] = None
+    bytes_read_ahead: int = 0  # of bytes_read: read ahead while the pipeline idled
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ class UpdatePipeline:
         self._current: Optional[_Piece] = None  # read issued (or in host memory): Adam runs at the next step
         self._writing_buffer: Optional[torch.Tensor] = None  # the piece buffer writes are issued from
         self._completing: List = []             # updates whose last writes are in flight
-        self._io_bytes = {}                     # task_id -> [read, written], counted at issue
+        self._io_bytes = {}                     # task_id -> [read, written, of which read ahead], counted at issue
         self._started = {}                      # task_id -> when its first piece was issued
         self._last_completion = time.perf_counter()
         self._hints: Deque[ReadAheadPiece] = deque()  # pieces the next updates read first, in their order
@@ -213,7 +214,7 @@ class UpdatePipeline:
             self._next_piece = 0
         if index == 0:
             self._started[task.task_id] = time.perf_counter()
-            self._io_bytes[task.task_id] = [0, 0]
+            self._io_bytes[task.task_id] = [0, 0, 0]
             if task.grad is not None:
                 self._read(task, task.grad, self._buffers.grad)
         buffer = None
@@ -240,6 +241,7 @@ class UpdatePipeline:
             return None
         del self._read_ahead[key]
         self._io_bytes[task.task_id][0] += region.padded_bytes
+        self._io_bytes[task.task_id][2] += region.padded_bytes
         return buffer
 
     def _discard_read_ahead(self, key: Tuple[int, int]) -> None:
@@ -282,10 +284,10 @@ class UpdatePipeline:
         for task in self._completing:
             # Busy time, not overlapping spans: from when this update started or the previous ended.
             seconds = now - max(self._started.pop(task.task_id), self._last_completion)
-            read, written = self._io_bytes.pop(task.task_id)
+            read, written, read_ahead = self._io_bytes.pop(task.task_id)
             # Bytes read ahead and discarded were read all the same: counted with the next result.
             read, self._orphan_read_bytes = read + self._orphan_read_bytes, 0
-            finished.append(UpdateResult(task.task_id, seconds, read, written))
+            finished.append(UpdateResult(task.task_id, seconds, read, written, bytes_read_ahead=read_ahead))
             self._last_completion = now
         self._completing = []
         return finished

@@ -114,6 +114,7 @@ class Updater:
         self.counters = counters
         self.wait_seconds = 0.0       # time the training loop spent blocked on updates
         self.update_seconds = 0.0     # time the updates themselves took
+        self.bytes_read_ahead = 0     # state bytes the worker read before their update came
         self._pending: Dict[int, UpdateHandle] = {}
 
     def submit(self, task: UpdateTask) -> UpdateHandle:
@@ -148,6 +149,7 @@ class Updater:
             raise RuntimeError(f"optimizer update of layer {handle.task.layer} failed in the worker:\n{result.error}")
         handle.result = result
         self.update_seconds += result.seconds
+        self.bytes_read_ahead += result.bytes_read_ahead
         self.counters.bytes_read["optimizer_worker"] += result.bytes_read
         self.counters.bytes_written["optimizer_worker"] += result.bytes_written
 

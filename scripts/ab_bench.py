@@ -51,6 +51,8 @@ def parse_args(argv=None):
     parser.add_argument("--out-dir", default=os.path.join(REPO, "results", "ab_bench"))
     parser.add_argument("--child-timeout", type=int, default=1800, help="seconds per engine run")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--greedysnake-options", type=json.loads, default={}, metavar="JSON",
+                        help='keys merged into greedysnake\'s "greedysnake" block, e.g. \'{"optimizer_read_ahead_mb": 256}\'')
     parser.add_argument("--ranks", type=int, nargs="+", default=None,
                         help="data-parallel world sizes to run (default: 1 for every M, and 2 at the largest M "
                              "of each configuration; --quick: 1)")
@@ -185,6 +187,7 @@ def main(argv=None):
             for engine in args.engines:
                 label = f"{name}_m{m}" + (f"_ranks{world_size}" if world_size > 1 else "") + f"_{engine}"
                 spec = {"engine": engine, "config": name, "model": model_spec, "micro_batches": m,
+                        "greedysnake_options": args.greedysnake_options,
                         "warmup": warmup, "steps": steps, "seed": 0, "nvme_path": os.path.join(scratch, label)}
                 run = run_child("engine", spec, args, label, world_size)
                 run["roofline"] = roofline(run, machine, model_spec)
@@ -201,7 +204,7 @@ def main(argv=None):
                               / abs(pair["zero_infinity"])})
     report = {
         "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(began)), "quick": args.quick,
-        "wall_seconds": None, "warmup": warmup, "steps": steps, "sweep": sweep, "configs": configs,
+        "wall_seconds": None, "greedysnake_options": args.greedysnake_options, "warmup": warmup, "steps": steps, "sweep": sweep, "configs": configs,
         "machine": machine, "runs": runs, "loss_agreement": agreement,
         "baseline": {
             "description": "ZeRO-Infinity: stage 3, parameters and optimizer states on NVMe, max_in_cpu 0, "

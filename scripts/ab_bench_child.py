@@ -12,6 +12,7 @@ import resource
 import statistics
 import sys
 import time
+import traceback
 
 from ab_bench_setup import (AIO, MIB, ds_config, gpt_config, largest_param_numel, peak_rss_mib,  # noqa: E402
                             process_io)
@@ -33,6 +34,8 @@ def run_engine(spec: dict) -> dict:
     mbs = model_spec["micro_batch_size"]
     os.makedirs(spec["nvme_path"], exist_ok=True)
     ds = ds_config(spec["nvme_path"], mbs, m, engine_name == "greedysnake", largest_param_numel(model_spec))
+    if engine_name == "greedysnake":
+        ds["greedysnake"].update(spec.get("greedysnake_options", {}))
     gpt = gpt_config(model_spec)
     torch.manual_seed(spec["seed"])
     if engine_name == "zero_infinity":
@@ -219,7 +222,65 @@ def measure_machine(spec: dict) -> dict:
                                    "vertical": {}}
         for m in spec.get("micro_batches", []):
             result["compute"][name]["vertical"][str(m)] = vertical_compute(model, tokens, m, spec["compute_repeats"])
+        # The same while another process streams reads and writes through the SSD at full rate: overlapping
+        # SSD transfers with compute is what both engines do, and on this virtual machine it slows compute.
+        streaming, rate = with_ssd_streaming(
+            os.path.join(folder, f"streaming_{name}"),
+            lambda: {str(m): vertical_compute(model, tokens, m, spec["compute_repeats"])
+                     for m in spec.get("micro_batches", [])})
+        result["compute"][name]["vertical_streaming"] = streaming
+        result["compute"][name]["streaming_bytes_per_s"] = rate
     return result
+
+
+STREAM_REGION_BYTES = 32 * MIB
+
+
+def with_ssd_streaming(folder: str, measure):
+    """``measure()`` while a child process (``--stream``) keeps one 32 MiB write and one 32 MiB read in
+    flight through the aio handle, back to back; returns its result and the bytes/s the child moved."""
+    import subprocess
+
+    os.makedirs(folder, exist_ok=True)
+    stop = os.path.join(folder, "stop")
+    child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--stream", folder, stop],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        # DeepSpeed's logger may print to stdout first.
+        for line in child.stdout:
+            if line.strip() == "streaming":
+                break
+        else:
+            raise RuntimeError(f"the SSD streaming child did not start (exit code {child.wait()})")
+        result = measure()
+    finally:
+        open(stop, "w").close()
+        output, _ = child.communicate(timeout=120)
+    rates = [line.split()[1] for line in output.splitlines() if line.startswith("bytes_per_s ")]
+    if not rates:
+        raise RuntimeError(f"the SSD streaming child stopped early (exit code {child.returncode}); see the log")
+    return result, float(rates[0])
+
+
+def stream_ssd(folder: str, stop: str) -> None:
+    from ds_greedysnake.ssd import IoCounters, SsdStore
+
+    store = SsdStore(folder, {"aio": dict(AIO)}, IoCounters(), "stream")
+    regions = [store.create_region(f"r{i}", STREAM_REGION_BYTES, "probe") for i in range(2)]
+    buffers = [store.new_buffer(region) for region in regions]
+    for region, buffer in zip(regions, buffers):
+        store.write(region, buffer)
+    print("streaming", flush=True)
+    moved, started = 0, time.perf_counter()
+    parent = os.getppid()
+    while not os.path.exists(stop) and os.getppid() == parent:  # stop with the probe, or if it is gone
+        for writing in (0, 1):
+            store.start_write(regions[writing], buffers[writing])
+            store.start_read(regions[1 - writing], buffers[1 - writing])
+            store.wait()
+            moved += 2 * regions[0].padded_bytes
+    print(f"bytes_per_s {moved / (time.perf_counter() - started)}", flush=True)
+    os._exit(0)  # skip DeepSpeed's native teardown (see main)
 
 
 def vertical_compute(model, tokens, num_micro_batches: int, repeats: int) -> dict:
@@ -259,6 +320,8 @@ def vertical_compute(model, tokens, num_micro_batches: int, repeats: int) -> dic
 
 
 def main(spec_path: str) -> None:
+    if spec_path == "--stream":
+        stream_ssd(*sys.argv[2:4])
     with open(spec_path) as handle:
         spec = json.load(handle)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -267,7 +330,14 @@ def main(spec_path: str) -> None:
         result_path = result_path.replace(".json", f".rank{os.environ['RANK']}.json")
     if os.path.exists(result_path):
         os.remove(result_path)
-    result = run_engine(spec) if spec["kind"] == "engine" else measure_machine(spec)
+    try:
+        result = run_engine(spec) if spec["kind"] == "engine" else measure_machine(spec)
+    except BaseException:
+        # Leave now: DeepSpeed's native teardown has hung this process after an exception.
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     with open(result_path, "w") as handle:
         json.dump(result, handle, indent=1)
     # DeepSpeed's native threads have aborted this process at exit ("terminate called without an

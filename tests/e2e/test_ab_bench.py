@@ -26,7 +26,8 @@ GREEDYSNAKE_FIELDS = {"worker_read_bytes_per_step", "worker_write_bytes_per_step
                       "host_state_parameters"}
 ROOFLINE_FIELDS = {"cpu_seconds", "io_seconds", "bound_seconds", "bound_tokens_per_second", "vertical_io_seconds",
                    "vertical_bound_seconds", "vertical_bound_tokens_per_second", "distance_to_bound",
-                   "distance_to_vertical_bound", "limited_by"}
+                   "distance_to_vertical_bound", "limited_by", "streaming_cpu_seconds", "streaming_bound_seconds",
+                   "distance_to_streaming_bound"}
 MACHINE_FIELDS = {"ssd_read_bytes_per_s", "ssd_write_bytes_per_s", "adam_elements_per_s", "compute", "cpus"}
 
 
@@ -56,6 +57,10 @@ def test_quick_ab_bench(tmp_path):
     # The compute term of the roofline: the whole-model pass and the vertical order at each M of the sweep.
     vertical = report["machine"]["compute"]["ssd_bound"]["vertical"]
     assert set(vertical) == {"2"} and vertical["2"]["forward_s"] > 0 and vertical["2"]["forward_backward_s"] > 0
+    # ... and in the vertical order while another process streams through the SSD.
+    compute = report["machine"]["compute"]["ssd_bound"]
+    assert set(compute["vertical_streaming"]) == {"2"} and compute["vertical_streaming"]["2"]["forward_backward_s"] > 0
+    assert compute["streaming_bytes_per_s"] > 0
     assert {r["engine"] for r in report["runs"]} == {"zero_infinity", "greedysnake"}
     for run in report["runs"]:
         missing = RUN_FIELDS - run.keys()

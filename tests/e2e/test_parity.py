@@ -143,3 +143,27 @@ def test_model_built_under_zero_init_trains_identically(tmp_path):
     for name, param in reference_model.named_parameters():
         param.data = plain.masters[name]
     assert relative_l2(masters, reference_model) <= 1e-6
+
+
+def test_read_ahead_changes_nothing(tmp_path, monkeypatch):
+    """The worker reading the next step's state pieces ahead (optimizer_read_ahead_mb), with states and
+    gradients on SSD and several pieces per layer: the same bits and SSD bytes as without, and the
+    pieces read ahead were used."""
+    monkeypatch.setattr(optimizer_module, "STATE_PIECE_NUMEL", 100_000)
+    runs = {}
+    for name, budget in (("off", 0.0), ("on", 64.0)):
+        runs[name] = run_greedysnake(str(tmp_path / name), NUM_MICRO_BATCHES, 3, greedysnake={
+            "optimizer_overlap": True, "optimizer_host_memory_mb": 0, "gradient_host_memory_mb": 0,
+            "optimizer_read_ahead_mb": budget})
+    assert runs["off"].engine.optimizer.read_ahead_pieces == 0
+    assert runs["on"].engine.optimizer.read_ahead_pieces > 1
+    # Read ahead after step 1 and step 2, used by steps 2 and 3.
+    assert runs["on"].engine.optimizer.updater.bytes_read_ahead > 0
+    assert runs["off"].engine.optimizer.updater.bytes_read_ahead == 0
+    assert runs["on"].losses == runs["off"].losses
+    for key, value in runs["off"].masters.items():
+        assert torch.equal(value, runs["on"].masters[key]), key
+    # Every update is complete (master_parameters waits): the worker's bytes, read ahead or not, are the same.
+    counters = {name: run.engine.optimizer.updater.counters for name, run in runs.items()}
+    assert counters["on"].bytes_read == counters["off"].bytes_read
+    assert counters["on"].bytes_written == counters["off"].bytes_written
