@@ -267,7 +267,8 @@ class LayerwiseAdam(torch.optim.Optimizer):
     def _write_committed_states(self, layer: LayerOwner, state: LayerState) -> None:
         """Into the layer's host slot, or piece by piece into its committed SSD slot."""
         values = (state.master, state.exp_avg, state.exp_avg_sq)
-        self.updater.cancel_read_ahead()  # no worker read of these states may be in flight or kept
+        if self.read_ahead_pieces:
+            self.updater.cancel_read_ahead()  # no worker read of these states may be in flight or kept
         if layer.index not in self._state_regions:
             slot = self.host.optimizer_states.slot(layer.index, 3 * layer.shard_numel)
             for part, value in zip(slot.split(layer.shard_numel), values):

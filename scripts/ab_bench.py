@@ -204,7 +204,8 @@ def main(argv=None):
                               / abs(pair["zero_infinity"])})
     report = {
         "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(began)), "quick": args.quick,
-        "wall_seconds": None, "greedysnake_options": args.greedysnake_options, "warmup": warmup, "steps": steps, "sweep": sweep, "configs": configs,
+        "wall_seconds": None, "greedysnake_options": args.greedysnake_options, "warmup": warmup, "steps": steps,
+        "sweep": sweep, "configs": configs,
         "machine": machine, "runs": runs, "loss_agreement": agreement,
         "baseline": {
             "description": "ZeRO-Infinity: stage 3, parameters and optimizer states on NVMe, max_in_cpu 0, "

@@ -6,7 +6,7 @@ import torch
 
 from ds_greedysnake import optimizer as optimizer_module
 from ds_greedysnake.schedule import default_deferred_layers
-from greedysnake_run import run_greedysnake
+from greedysnake_run import make_engine, run_greedysnake
 from helpers import fresh_model, reference_training, relative_l2, tiny_gpt_config
 
 pytestmark = pytest.mark.slow
@@ -167,3 +167,24 @@ def test_read_ahead_changes_nothing(tmp_path, monkeypatch):
     counters = {name: run.engine.optimizer.updater.counters for name, run in runs.items()}
     assert counters["on"].bytes_read == counters["off"].bytes_read
     assert counters["on"].bytes_written == counters["off"].bytes_written
+
+
+def test_loading_a_checkpoint_drops_what_was_read_ahead(tmp_path):
+    """A checkpoint loaded into a running engine whose worker has read state pieces ahead: they are
+    dropped before the states are rewritten, and training goes on from the checkpoint exactly."""
+    losses, masters = {}, {}
+    for name, budget in (("off", 0.0), ("on", 64.0)):
+        engine, batches = make_engine(str(tmp_path / name / "nvme"), NUM_MICRO_BATCHES, greedysnake={
+            "optimizer_host_memory_mb": 0, "optimizer_read_ahead_mb": budget})
+        engine.train_batch(batches)
+        engine.save_checkpoint(str(tmp_path / name / "checkpoints"), tag="step1")
+        engine.train_batch(batches)  # its states are read ahead after this step
+        engine.load_checkpoint(str(tmp_path / name / "checkpoints"), tag="step1")
+        losses[name] = [float(engine.train_batch(batches)) for _ in range(2)]
+        masters[name] = engine.master_parameters()
+        if budget:
+            assert engine.optimizer.read_ahead_pieces > 0
+        engine.close()
+    assert losses["on"] == losses["off"]
+    for key, value in masters["off"].items():
+        assert torch.equal(value, masters["on"][key]), key
