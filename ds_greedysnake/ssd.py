@@ -120,12 +120,15 @@ def _tag_view(buffer: torch.Tensor) -> torch.Tensor:
 
 
 class SsdStore:
-    """Regions in one folder, with one aio handle; not thread-safe (one owner per store).
+    """Regions in one folder, with two aio handles; not thread-safe (one owner per store).
 
     Reads and writes are asynchronous and may be in flight together: ``wait`` completes all of them
-    (the aio handle can only wait for everything it has in flight). Each transfer is split into
+    (an aio handle can only wait for everything it has in flight). Each transfer is split into
     chunks issued at once, since one aio op keeps too few requests in flight to reach the SSD's rate
     (measured here: a 128 MiB read at 819 MiB/s as one op, 1345 MiB/s as 16; writes 1111 vs 2121).
+    Reads and writes go to separate handles: a handle's thread runs its ops one after another, so on
+    one handle a write and a read issued together would take turns instead of sharing the SSD
+    (measured here: a 50 MiB write with a 38 MiB read, 34 ms on one handle, 32 ms on two).
     """
 
     def __init__(self, folder: str, ds_config: dict, counters: IoCounters, name: str):
@@ -133,7 +136,11 @@ class SsdStore:
         self.ds_config = ds_config
         self.counters = counters
         self.name = name
-        self._handle = deepspeed_compat.new_aio_handle(ds_config)
+        self._handles = {"read": deepspeed_compat.new_aio_handle(ds_config),
+                         "write": deepspeed_compat.new_aio_handle(ds_config)}
+        # Locked buffers belong to the handle that allocated them (and are freed through it); any
+        # handle transfers them.
+        self._handle = self._handles["read"]
         self._in_flight: List[_Transfer] = []
         self._next_id = 0
         os.makedirs(folder, exist_ok=True)
@@ -184,7 +191,7 @@ class SsdStore:
         if not self._in_flight:
             return
         transfers, self._in_flight = self._in_flight, []
-        completed = self._handle.wait()
+        completed = self._wait_handles(transfers)
         expected_ops = sum(transfer.num_ops for transfer in transfers)
         if completed != expected_ops:
             for transfer in transfers:
@@ -222,15 +229,23 @@ class SsdStore:
     def read_in_flight(self) -> bool:
         return any(transfer.kind == "read" for transfer in self._in_flight)
 
+    def _wait_handles(self, transfers: List["_Transfer"]) -> int:
+        """Wait on every handle with ops of ``transfers`` in flight; the number of ops they completed."""
+        completed = 0
+        for kind, handle in self._handles.items():
+            if any(transfer.kind == kind and transfer.num_ops for transfer in transfers):
+                completed += handle.wait()
+        return completed
+
     def _submit(self, transfer: "_Transfer") -> None:
-        region, issue = transfer.region, (self._handle.pread if transfer.kind == "read" else self._handle.pwrite)
+        handle = self._handles[transfer.kind]
+        region, issue = transfer.region, (handle.pread if transfer.kind == "read" else handle.pwrite)
         for offset, length in chunks(region.padded_bytes):
             result = issue(transfer.buffer[offset:offset + length], region.path, False, True, offset)
             if result < 0:
                 # Complete whatever is in flight (a handle destroyed with pending ops aborts the
                 # process); none of it is trusted after a failed submission.
-                if self._in_flight or transfer.num_ops:
-                    self._handle.wait()
+                self._wait_handles(self._in_flight + [transfer])
                 for abandoned in self._in_flight + [transfer]:
                     if abandoned.kind == "write":
                         abandoned.region.generation -= 1

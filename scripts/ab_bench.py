@@ -176,13 +176,24 @@ def main(argv=None):
     print(f"A/B benchmark: configs {list(configs)}, M in {sweep}, {warmup} warm-up + {steps} measured steps; "
           f"SSD folder {scratch}", flush=True)
     try:
-        machine = run_child("machine", {"nvme_path": os.path.join(scratch, "roofline"), "configs": configs,
-                                        "ssd_region_mib": 64 if args.quick else 256,
-                                        "ssd_repeats": 3 if args.quick else 5,
-                                        "adam_numel": (1 << 23) if args.quick else (1 << 24),
-                                        "compute_repeats": 4 if args.quick else 6, "micro_batches": sweep},
-                           args, "machine")
+        machine_spec = {"nvme_path": os.path.join(scratch, "roofline"), "configs": configs,
+                        "ssd_region_mib": 64 if args.quick else 256, "ssd_repeats": 3 if args.quick else 5,
+                        "adam_numel": (1 << 23) if args.quick else (1 << 24),
+                        "compute_repeats": 4 if args.quick else 6, "micro_batches": sweep}
+        machine = run_child("machine", machine_spec, args, "machine")
         runs = []
+        # The SSD's rates drift on this machine (1.2-1.6x within an evening): each run also gets a roofline
+        # from the rates measured right before and right after it.
+        ssd_probe = {"ssd_region_mib": machine_spec["ssd_region_mib"], "ssd_repeats": 3}
+        probe_count = 0
+
+        def probe_ssd() -> dict:
+            nonlocal probe_count
+            probe_count += 1
+            return run_child("ssd", dict(ssd_probe, nvme_path=os.path.join(scratch, f"ssd{probe_count}")), args,
+                             f"ssd_probe{probe_count}")
+
+        rates_before = probe_ssd()
         for name, model_spec, m, world_size in cells(configs, sweep, args):
             for engine in args.engines:
                 label = f"{name}_m{m}" + (f"_ranks{world_size}" if world_size > 1 else "") + f"_{engine}"
@@ -190,8 +201,11 @@ def main(argv=None):
                         "greedysnake_options": args.greedysnake_options,
                         "warmup": warmup, "steps": steps, "seed": 0, "nvme_path": os.path.join(scratch, label)}
                 run = run_child("engine", spec, args, label, world_size)
-                run["roofline"] = roofline(run, machine, model_spec)
+                rates_after = probe_ssd()
+                run["ssd_rates_around_run"] = {"before": rates_before, "after": rates_after}
+                run["roofline"] = roofline(run, machine, model_spec, (rates_before, rates_after))
                 runs.append(run)
+                rates_before = rates_after
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     agreement = []

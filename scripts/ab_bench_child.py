@@ -142,24 +142,19 @@ def run_engine(spec: dict) -> dict:
     return result
 
 
-def measure_machine(spec: dict) -> dict:
-    print(f"{time.strftime('%H:%M:%S')} importing", flush=True)
-    import torch
+def measure_ssd_rates(folder: str, region_mib: int, repeats: int) -> dict:
+    """SSD read and write bytes/s through DeepSpeed's aio handle, with the runs' aio block: one large region
+    written and read whole, and reads of four regions in flight on one handle; the fastest repeat of each."""
     from ds_greedysnake import deepspeed_compat
-    from ds_greedysnake.deepspeed_compat import AdamHyperparameters, CpuAdamKernel
-    from ds_greedysnake.models.gpt import build_gpt, lm_loss
     from ds_greedysnake.ssd import IoCounters, SsdStore
 
-    result = {"torch_threads": torch.get_num_threads(), "cpus": os.cpu_count()}
-    # SSD: one large region through DeepSpeed's aio handle, same aio block as the runs.
-    folder = spec["nvme_path"]
+    result = {"measured_at": time.time()}
     store = SsdStore(folder, {"aio": dict(AIO)}, IoCounters(), "roofline")
-    region_bytes = spec["ssd_region_mib"] * MIB
-    region = store.create_region("probe", region_bytes, "probe")
+    region = store.create_region("probe", region_mib * MIB, "probe")
     buffer = store.new_buffer(region)
     buffer.fill_(7)
     writes, reads = [], []
-    for _ in range(spec["ssd_repeats"]):
+    for _ in range(repeats):
         started = time.perf_counter()
         store.write(region, buffer)
         writes.append(time.perf_counter() - started)
@@ -167,29 +162,42 @@ def measure_machine(spec: dict) -> dict:
         store.read(region, buffer)
         reads.append(time.perf_counter() - started)
     result["ssd_region_bytes"] = region.padded_bytes
-    # The fastest repeat, as for compute below: the roofline is the best the machine does, and this
-    # virtual disk's rates moved by 2x between runs here.
+    # The fastest repeat, as for compute: the roofline is the best the machine does, and this virtual
+    # disk's rates moved by 2x between runs here.
     result["ssd_read_bytes_per_s_one_region"] = region.padded_bytes / min(reads)
     result["ssd_write_bytes_per_s"] = region.padded_bytes / min(writes)
     # Several reads in flight on one handle (ZeRO-Infinity's swapper issues several at once); the
     # roofline takes the faster of the two read rates.
     parts = 4
-    regions = [store.create_region(f"part{i}", region_bytes // parts, "probe") for i in range(parts)]
+    regions = [store.create_region(f"part{i}", region.payload_bytes // parts, "probe") for i in range(parts)]
     buffers = [store.new_buffer(r) for r in regions]
     for r, b in zip(regions, buffers):
         store.write(r, b)
     handle = deepspeed_compat.new_aio_handle({"aio": dict(AIO)})
     parallel = []
-    for _ in range(spec["ssd_repeats"]):
+    for _ in range(repeats):
         started = time.perf_counter()
         for r, b in zip(regions, buffers):
             handle.pread(b[:r.padded_bytes], r.path, False, True, 0)
         completed = handle.wait()
         parallel.append(time.perf_counter() - started)
-        assert completed == parts, completed
+        if completed != parts:
+            raise RuntimeError(f"the SSD probe's aio handle completed {completed} of {parts} reads in {folder}")
     result["ssd_read_bytes_per_s_parallel"] = sum(r.padded_bytes for r in regions) / min(parallel)
     result["ssd_read_bytes_per_s"] = max(result["ssd_read_bytes_per_s_one_region"],
                                          result["ssd_read_bytes_per_s_parallel"])
+    return result
+
+
+def measure_machine(spec: dict) -> dict:
+    print(f"{time.strftime('%H:%M:%S')} importing", flush=True)
+    import torch
+    from ds_greedysnake.deepspeed_compat import AdamHyperparameters, CpuAdamKernel
+    from ds_greedysnake.models.gpt import build_gpt, lm_loss
+
+    result = {"torch_threads": torch.get_num_threads(), "cpus": os.cpu_count()}
+    folder = spec["nvme_path"]
+    result.update(measure_ssd_rates(folder, spec["ssd_region_mib"], spec["ssd_repeats"]))
     # CPU Adam: DeepSpeed's kernel on flat fp32 tensors.
     numel = spec["adam_numel"]
     hyper = AdamHyperparameters(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
@@ -331,7 +339,12 @@ def main(spec_path: str) -> None:
     if os.path.exists(result_path):
         os.remove(result_path)
     try:
-        result = run_engine(spec) if spec["kind"] == "engine" else measure_machine(spec)
+        if spec["kind"] == "engine":
+            result = run_engine(spec)
+        elif spec["kind"] == "ssd":
+            result = measure_ssd_rates(spec["nvme_path"], spec["ssd_region_mib"], spec["ssd_repeats"])
+        else:
+            result = measure_machine(spec)
     except BaseException:
         # Leave now: DeepSpeed's native teardown has hung this process after an exception.
         traceback.print_exc()

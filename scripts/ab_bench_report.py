@@ -16,12 +16,15 @@ def streaming_compute(compute: dict, num_micro_batches: int) -> dict:
     return streaming if streaming is not None else best_compute(compute, num_micro_batches)
 
 
-def roofline(run: dict, machine: dict, model_spec: dict) -> dict:
+def roofline(run: dict, machine: dict, model_spec: dict, rates_around_run=()) -> dict:
     """The best step time the machine allows for this run's measured SSD volume and compute.
 
     CPU work (forward, recompute and backward of every micro-batch, and Adam over every parameter)
     shares the same cores, so it adds up; SSD transfers run on the aio threads and can overlap the CPU
-    work, but reads and writes share the SSD. Bound = max(CPU time, SSD time)."""
+    work, but reads and writes share the SSD. Bound = max(CPU time, SSD time).
+
+    ``rates_around_run``: SSD probes taken right before and right after this run (``measure_ssd_rates``);
+    the same bound with the faster of their rates is the ``around_run`` one."""
     compute = best_compute(machine["compute"][run["config"]], run["micro_batches"])
     # Every rank's micro-batches share this machine's cores (one process per rank).
     m = run["micro_batches"] * run.get("world_size", 1)
@@ -45,7 +48,17 @@ def roofline(run: dict, machine: dict, model_spec: dict) -> dict:
     streaming_cpu_seconds = m * (streaming["forward_s"] + streaming["forward_backward_s"]) + \
         run["parameters"] / machine["adam_elements_per_s"]
     streaming_bound = max(streaming_cpu_seconds, io_seconds)
-    return {"cpu_seconds": cpu_seconds, "io_seconds": io_seconds, "bound_seconds": bound,
+    around = {}
+    if rates_around_run:
+        around_read = max(probe["ssd_read_bytes_per_s"] for probe in rates_around_run)
+        around_write = max(probe["ssd_write_bytes_per_s"] for probe in rates_around_run)
+        around_io = run["ssd_read_bytes_per_step"] / around_read + run["ssd_write_bytes_per_step"] / around_write
+        around_bound = max(cpu_seconds, around_io)
+        around = {"around_run_ssd_read_bytes_per_s": around_read, "around_run_ssd_write_bytes_per_s": around_write,
+                  "around_run_io_seconds": around_io, "around_run_bound_seconds": around_bound,
+                  "distance_to_around_run_bound": run["step_seconds_median"] / around_bound,
+                  "around_run_limited_by": "SSD" if around_io > cpu_seconds else "CPU"}
+    return {**around, "cpu_seconds": cpu_seconds, "io_seconds": io_seconds, "bound_seconds": bound,
             "streaming_cpu_seconds": streaming_cpu_seconds, "streaming_bound_seconds": streaming_bound,
             "distance_to_streaming_bound": run["step_seconds_median"] / streaming_bound,
             "bound_tokens_per_second": run["tokens_per_step"] / bound,
@@ -78,9 +91,8 @@ def markdown(report: dict) -> str:
                                for m, v in compute.get("vertical_streaming", {}).items()))
     lines += ["", "| config | M | ranks | engine | step s | tokens/s | speed-up | SSD read MiB/step (params) | "
               "SSD written MiB/step | proc read / written MiB | peak RSS MiB (worker) | final loss | "
-              "roofline s (limit) | distance | vertical roofline s | distance | bound with compute under streaming s | "
-              "distance |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "roofline s (limit) | distance |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in report["runs"]:
         roof = run["roofline"]
         pair = [r for r in report["runs"] if r["config"] == run["config"] and r["micro_batches"] == run["micro_batches"]
@@ -95,7 +107,27 @@ def markdown(report: dict) -> str:
             f"({run['param_read_bytes_per_step'] / MIB:.0f}) | {run['ssd_write_bytes_per_step'] / MIB:.0f} | "
             f"{run['proc_read_bytes_per_step'] / MIB:.0f} / {run['proc_write_bytes_per_step'] / MIB:.0f} | "
             f"{run['peak_rss_mib']:.0f}{worker} | {run['final_loss']:.5f} | {roof['bound_seconds']:.2f} "
-            f"({roof['limited_by']}) | {roof['distance_to_bound']:.2f}x | {roof['vertical_bound_seconds']:.2f} | "
+            f"({roof['limited_by']}) | {roof['distance_to_bound']:.2f}x |")
+    lines += ["", "Step time against each bound (docs/ab_bench.md): the roofline from the machine probe; the same "
+              "with the SSD rates probed right before and after the run (the faster of the two, MiB/s read / write); "
+              "the vertical schedule's minimum SSD volume; compute measured while another process streams through "
+              "the SSD (a bound, not a roofline).", "",
+              "| config | M | ranks | engine | step s | roofline s (limit) | distance | SSD around the run | "
+              "roofline at those rates s (limit) | distance | vertical roofline s | distance | "
+              "bound with compute under streaming s | distance |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for run in report["runs"]:
+        roof = run["roofline"]
+        if "around_run_bound_seconds" in roof:
+            around = (f"{roof['around_run_ssd_read_bytes_per_s'] / MIB:.0f} / "
+                      f"{roof['around_run_ssd_write_bytes_per_s'] / MIB:.0f} | {roof['around_run_bound_seconds']:.2f} "
+                      f"({roof['around_run_limited_by']}) | {roof['distance_to_around_run_bound']:.2f}x")
+        else:
+            around = "- | - | -"
+        lines.append(
+            f"| {run['config']} | {run['micro_batches']} | {run.get('world_size', 1)} | {LABELS[run['engine']]} | "
+            f"{run['step_seconds_median']:.2f} | {roof['bound_seconds']:.2f} ({roof['limited_by']}) | "
+            f"{roof['distance_to_bound']:.2f}x | {around} | {roof['vertical_bound_seconds']:.2f} | "
             f"{roof['distance_to_vertical_bound']:.2f}x | {roof['streaming_bound_seconds']:.2f} | "
             f"{roof['distance_to_streaming_bound']:.2f}x |")
     lines += ["", "| config | M | ranks | final loss ZeRO-Infinity | final loss greedysnake | relative difference |",

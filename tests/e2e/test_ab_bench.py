@@ -27,7 +27,9 @@ GREEDYSNAKE_FIELDS = {"worker_read_bytes_per_step", "worker_write_bytes_per_step
 ROOFLINE_FIELDS = {"cpu_seconds", "io_seconds", "bound_seconds", "bound_tokens_per_second", "vertical_io_seconds",
                    "vertical_bound_seconds", "vertical_bound_tokens_per_second", "distance_to_bound",
                    "distance_to_vertical_bound", "limited_by", "streaming_cpu_seconds", "streaming_bound_seconds",
-                   "distance_to_streaming_bound"}
+                   "distance_to_streaming_bound", "around_run_ssd_read_bytes_per_s",
+                   "around_run_ssd_write_bytes_per_s", "around_run_io_seconds", "around_run_bound_seconds",
+                   "distance_to_around_run_bound", "around_run_limited_by"}
 MACHINE_FIELDS = {"ssd_read_bytes_per_s", "ssd_write_bytes_per_s", "adam_elements_per_s", "compute", "cpus"}
 
 
@@ -68,6 +70,10 @@ def test_quick_ab_bench(tmp_path):
             missing |= GREEDYSNAKE_FIELDS - run.keys()
         assert not missing, (run["engine"], missing)
         assert ROOFLINE_FIELDS <= run["roofline"].keys()
+        # The SSD probed right before and right after this run; the run between them.
+        around = run["ssd_rates_around_run"]
+        assert around["before"]["measured_at"] < around["after"]["measured_at"]
+        assert around["before"]["ssd_read_bytes_per_s"] > 0 and around["after"]["ssd_write_bytes_per_s"] > 0
         assert run["ds_config"]["zero_optimization"]["offload_param"]["max_in_cpu"] == 0
         assert run["step_seconds_median"] > 0 and run["tokens_per_second"] > 0
         assert run["ssd_read_bytes_per_step"] > 0 and run["ssd_write_bytes_per_step"] > 0
