@@ -8,6 +8,8 @@ that ends one layer starts the next and its activation never has to leave the de
 Forward runs layers 0..L-2 and stores each layer's input. The last layer is not run in the
 forward sweep: each of its backward tasks runs its forward, the loss and its backward for one
 micro-batch. Backward then walks down to layer 0, recomputing each layer from its stored input.
+Layer L-2, the last of the forward sweep, stays resident across the turn to the backward sweep, so
+the parameters are read 2L-2 times per step, whatever M (two layers resident at the turn).
 
 For L=4, M=3 the compute order, as (layer, micro-batch), is:
     forward : (0,0)(0,1)(0,2) (1,2)(1,1)(1,0) (2,0)(2,1)(2,2)
@@ -85,9 +87,13 @@ def build_step_schedule(num_layers: int, num_micro_batches: int, prefetch: bool 
     for layer in range(last):
         fetch(layer, layer + 1)
         ops.extend(Op(OpKind.FORWARD, layer, mb) for mb in micro_batch_order(layer, num_micro_batches))
-        ops.append(Op(OpKind.RELEASE, layer))
+        if layer != last - 1:
+            # The backward sweep needs layer L-2 right after the last layer: keep it rather than read it again.
+            ops.append(Op(OpKind.RELEASE, layer))
     for layer in range(last, -1, -1):
-        fetch(layer, layer - 1 if layer > 0 else None)
+        # Layer L-2, below the last layer, is still resident from forward: nothing to prefetch there.
+        below = layer - 1 if 0 < layer < last else None
+        fetch(layer, below)
         kind = OpKind.LOSS_BACKWARD if layer == last else OpKind.BACKWARD
         ops.extend(Op(kind, layer, mb) for mb in micro_batch_order(layer, num_micro_batches))
         ops.append(Op(OpKind.FLUSH_GRADS, layer))
@@ -120,5 +126,6 @@ def format_schedule(ops: List[Op]) -> str:
 
 
 def parameter_reads_per_step(num_layers: int) -> int:
-    """Layer reads one step makes: once per layer for forward (the last layer has none), once for backward."""
-    return (num_layers - 1) + num_layers
+    """Layer reads one step makes: once per layer for forward (the last layer has none), once for backward
+    (layer L-2 has none: it stays resident across the turn)."""
+    return (num_layers - 1) + (num_layers - 1)

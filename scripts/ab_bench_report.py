@@ -34,7 +34,8 @@ def roofline(run: dict, machine: dict, model_spec: dict, rates_around_run=()) ->
     read_rate, write_rate = machine["ssd_read_bytes_per_s"], machine["ssd_write_bytes_per_s"]
     io_seconds = run["ssd_read_bytes_per_step"] / read_rate + run["ssd_write_bytes_per_step"] / write_rate
     # The vertical schedule's minimum SSD volume (fp32; ranks hold shards, so the total does not change
-    # with their number): every layer read once per sweep (twice), master weights and moments read
+    # with their number): every layer read once per sweep (twice; greedysnake keeps one layer across the
+    # turn, so this is at most one layer's read above its volume), master weights and moments read
     # once and written once, new weights written once; gradients stay in host memory.
     # Optimizer states greedysnake keeps in host memory (optimizer_host_memory_mb) move no SSD bytes.
     p = run["parameters"] * 4

@@ -210,7 +210,9 @@ def _engine_backward(terms: _EngineTerms, index: int) -> Phase:
     lanes = {"compute": Linear(terms.m * terms.times[index].forward_backward_s + params * rates.handoff)
              + rates.write_seconds("grad", GRAD_BYTES_PER_PARAM * params) + spilled * rates.read}
     reads, writes = spilled, flush
-    if index > 0:
+    # Layer L-2 (below the last layer) is still resident from forward: no read, no upload.
+    kept_from_forward = index == terms.count - 2
+    if 0 < index < terms.count - 1:
         lanes["prefetch"] = terms.param_read(index - 1)
         reads += on_ssd("param", terms.param_bytes[index - 1])
     previous = index + 1  # updated during this layer's backward, after its own flush
@@ -219,7 +221,8 @@ def _engine_backward(terms: _EngineTerms, index: int) -> Phase:
         reads, writes = reads + terms.updates[previous][1], writes + terms.updates[previous][2]
     lanes["SSD"] = rates.ssd(reads, writes)
     terms.sharing_cores(lanes)
-    rates.add_link(lanes, 2 * terms.checkpoints + (terms.workload.param_bytes + GRAD_BYTES_PER_PARAM) * params)
+    uploaded = 0 if kept_from_forward else terms.workload.param_bytes
+    rates.add_link(lanes, 2 * terms.checkpoints + (uploaded + GRAD_BYTES_PER_PARAM) * params)
     # The last layer's prefetch was skipped if its update was deferred: it is read now, serially.
     waits = Linear()
     if index == terms.count - 1 and terms.update_in_forward(index):

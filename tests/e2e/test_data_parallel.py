@@ -77,7 +77,7 @@ def test_collective_traffic_does_not_grow_with_micro_batches(tmp_path):
     many = launch(tmp_path, 2, 3, 2, "m3")
     assert few["collective_bytes"][-1] == many["collective_bytes"][-1]
     traffic = many["collective_bytes"][-1]
-    # Each layer gathered once per sweep (2L - 1 gathers) and reduce-scattered once per step.
+    # Each layer gathered once per sweep (2L - 2 gathers) and reduce-scattered once per step.
     assert traffic["all_gather"] > 0 and traffic["reduce_scatter"] > 0
 
 

@@ -13,7 +13,9 @@ def test_greedysnake_parameter_reads_are_flat_in_micro_batches(tmp_path):
         run = run_greedysnake(str(tmp_path / f"m{num_micro_batches}"), num_micro_batches, steps=2)
         reads[num_micro_batches] = run.metrics[-1].ssd_bytes_read["param"]
         num_layers = len(run.engine.layers)
-        assert run.metrics[-1].ssd_reads["param"] == 2 * num_layers - 1
+        # Every layer once per sweep, but layer L-2, resident across the turn, and the last layer, not
+        # run in forward.
+        assert run.metrics[-1].ssd_reads["param"] == 2 * num_layers - 2
         # Gradients reach the optimizer through host memory by default: none goes to SSD.
         assert run.engine.io_counters.writes["grad"] == 0
     assert abs(reads[8] - reads[2]) <= 0.05 * reads[2]
