@@ -140,7 +140,7 @@ class SsdStore:
                          "write": deepspeed_compat.new_aio_handle(ds_config)}
         # Locked buffers belong to the handle that allocated them (and are freed through it); any
         # handle transfers them.
-        self._handle = self._handles["read"]
+        self._buffer_handle = self._handles["read"]
         self._in_flight: List[_Transfer] = []
         self._next_id = 0
         os.makedirs(folder, exist_ok=True)
@@ -162,12 +162,12 @@ class SsdStore:
 
     def buffer(self, num_bytes: int) -> torch.Tensor:
         """An aligned host buffer this store transfers without a bounce copy; lives as long as the store."""
-        locked = deepspeed_compat.new_locked_buffer(self._handle, num_bytes)
+        locked = deepspeed_compat.new_locked_buffer(self._buffer_handle, num_bytes)
         return locked if locked is not None else aligned_buffer(num_bytes)
 
     def free_buffer(self, buffer: torch.Tensor) -> None:
         """Give back a buffer from ``buffer`` that is no longer used (locked memory is not freed by torch)."""
-        deepspeed_compat.free_locked_buffer(self._handle, buffer)
+        deepspeed_compat.free_locked_buffer(self._buffer_handle, buffer)
 
     def new_buffer(self, region: Region) -> torch.Tensor:
         return self.buffer(region.padded_bytes)

@@ -182,7 +182,7 @@ def main(argv=None):
                         "compute_repeats": 4 if args.quick else 6, "micro_batches": sweep}
         machine = run_child("machine", machine_spec, args, "machine")
         runs = []
-        # The SSD's rates drift on this machine (1.2-1.6x within an evening): each run also gets a roofline
+        # The SSD's rates drift on this machine (up to 1.9x within seconds): each run also gets a roofline
         # from the rates measured right before and right after it.
         ssd_probe = {"ssd_region_mib": machine_spec["ssd_region_mib"], "ssd_repeats": 3}
         probe_count = 0
