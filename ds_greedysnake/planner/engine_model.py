@@ -146,11 +146,12 @@ class _EngineTerms:
         takes c + (1 - 1/slowdown) u (compute) or u + (1 - 1/slowdown) c (the worker): each lane carries
         the other's share. Measured here at M=8 of ab_bench's ssd_bound: backward 0.30 s without the
         worker, 0.39-0.44 s with it; the worker's ten updates 0.34 s alone, 0.49-0.51 s beside training."""
-        if "optimizer worker" in lanes and "prefetch" in lanes:
-            # One SSD serves both processes: the worker's transfers wait behind the prefetch's (and the
-            # other way round), so the two take at least their sum. Measured: the worker's ten updates took
-            # 0.38-0.42 s at M=1 beside the prefetches against 0.35 s inline, with nothing else running.
-            lanes["SSD, worker and prefetch"] = lanes["optimizer worker"] + lanes["prefetch"]
+        # The worker and the prefetch share one SSD; the "SSD" lane holds both processes' bytes. An earlier
+        # lane added the worker's whole time to the prefetch's (measured then: the worker's ten updates
+        # took 0.38-0.42 s at M=1 beside the prefetches, 0.35 s inline). Since the worker reads and writes
+        # on two aio handles, its busy time per step beside the prefetches (0.32-0.46 s in eight runs) is
+        # what the probe gives it alone (0.32-0.41 s), and the sum put the step 1.07-1.95x above the
+        # measured one (docs/planner.md, 2026-12-01).
         if "optimizer worker" in lanes and self.rates.sharing > 0:
             compute, worker = lanes["compute"], lanes["optimizer worker"]
             lanes["compute"] = compute + worker * self.rates.sharing

@@ -42,7 +42,7 @@ def _median_seconds(action: Callable[[], None], repeats: int, warmup: int = 1, m
 
 
 def probe_ssd(folder: str, ds_config: dict, region_mib: int = 128, repeats: int = 3) -> Dict[str, float]:
-    """The engine's transfers through SsdStore (a deep queue of chunks) at two sizes, for a fixed cost
+    """The engine's transfers through SsdStore (a deep queue of chunks) at four sizes, for a fixed cost
     per transfer plus a rate (``_per_transfer``); and one region whole as one aio op per transfer, as
     ZeRO-3's swapper issues a tensor."""
     os.makedirs(folder, exist_ok=True)
@@ -64,41 +64,64 @@ def probe_ssd(folder: str, ds_config: dict, region_mib: int = 128, repeats: int 
 
         rates = {f"ssd_{kind}_bytes_per_s_single": region.padded_bytes / _median_seconds(one_op(kind), repeats)
                  for kind in ("write", "read")}
-        rates.update(_per_transfer(store, [max(1, region_mib // 8) * MIB, max(2, region_mib // 2) * MIB],
-                                   2 * repeats + 1))
+        # Four sizes from an eighth of the region to half of it: 16 to 64 MiB by default, about the engine's
+        # layer and state-piece transfers.
+        fractions = (8, 6, 4, 2)
+        sizes = [max(4096, region_mib * MIB // fraction // 4096 * 4096) for fraction in fractions]
+        rates.update(_per_transfer(store, sizes, 2 * repeats))
         return rates
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _per_transfer(store: SsdStore, sizes, repeats: int) -> Dict[str, float]:
-    """Reads and writes of two region sizes through the engine's store; the line through both medians
-    gives the rate (its slope) and the fixed cost of a transfer (its intercept, at least 0). Here a
-    transfer of the engine's layer size ran at 55-70% of a 256 MiB one's rate."""
-    seconds = {"read": [], "write": []}
-    for size in sizes:
-        region = store.create_region(f"fit{size}", size, "probe")
-        times, buffers = {"read": [], "write": []}, []
-        for _ in range(min(repeats, 5)):  # fresh buffers, kept to the end (see probe_update)
-            buffers.append(store.new_buffer(region))
-            buffers[-1].fill_(7)
-            times["write"].append(_median_seconds(lambda: store.write(region, buffers[-1]), 1))
-            times["read"].append(_median_seconds(lambda: store.read(region, buffers[-1]), 1))
+def _per_transfer(store: SsdStore, sizes, rounds: int) -> Dict[str, float]:
+    """Reads and writes of several region sizes through the engine's store, the sizes interleaved round
+    after round; a line through every timing (``_fit_line``) gives the rate (its slope) and the fixed
+    cost of a transfer (its intercept, at least 0). Here a transfer of the engine's layer size ran at
+    55-70% of a 256 MiB one's rate. Interleaved and fitted over every point because this machine's disk
+    drifts within seconds: a line through two sizes' medians, measured one size after the other, gave
+    read rates of 1.1 to 2.5 GB/s in three probes within three minutes (docs/planner.md)."""
+    regions = [store.create_region(f"fit{size}", size, "probe") for size in sizes]
+    buffers = [store.new_buffer(region) for region in regions]  # kept to the end (see probe_update)
+    points = {"read": [], "write": []}
+    try:
+        for buffer in buffers:
+            buffer.fill_(7)
+        for round_index in range(rounds + 1):  # the first round warms up
+            for region, buffer in zip(regions, buffers):
+                for kind, transfer in (("write", store.write), ("read", store.read)):
+                    started = time.perf_counter()
+                    transfer(region, buffer)
+                    if round_index:
+                        points[kind].append((region.padded_bytes, time.perf_counter() - started))
+    finally:
         for buffer in buffers:
             store.free_buffer(buffer)
-        for kind in seconds:
-            seconds[kind].append(statistics.median(times[kind]))
     rates = {}
-    for kind, (small, large) in seconds.items():
-        slope = (large - small) / (sizes[1] - sizes[0])
-        if slope <= 0:  # a disturbed measurement: the large transfer's rate, no fixed cost
-            slope = large / sizes[1]
+    for kind, timings in points.items():
+        slope, intercept = _fit_line(timings)
+        if slope <= 0:  # a disturbed measurement: the largest transfer's rate, no fixed cost
+            largest = max(timings)
+            slope, intercept = largest[1] / largest[0], 0.0
         rates[f"ssd_{kind}_bytes_per_s"] = 1.0 / slope
-        rates[f"ssd_{kind}_seconds_per_transfer"] = max(0.0, large - slope * sizes[1])
+        rates[f"ssd_{kind}_seconds_per_transfer"] = max(0.0, intercept)
     return rates
 
 
-def probe_update(folder: str, ds_config: dict, numel: int, repeats: int = 5) -> Tuple[float, float]:
+def _fit_line(points) -> Tuple[float, float]:
+    """A line (slope, intercept) of y over x through (x, y) points with at least two distinct x: the
+    median of the slopes between every two points of different x, and the median intercept at that
+    slope (Theil-Sen). Medians, so that a few transfers slowed by the disk's drift do not tilt the line:
+    a least-squares line gave read intercepts of 1.5 to 14 ms in five probes within ten minutes here."""
+    slopes = [(y2 - y1) / (x2 - x1) for index, (x1, y1) in enumerate(points) for x2, y2 in points[index + 1:]
+              if x2 != x1]
+    if not slopes:
+        raise PlannerError("the SSD probe needs transfers of at least two sizes to fit a line")
+    slope = statistics.median(slopes)
+    return slope, statistics.median(y - slope * x for x, y in points)
+
+
+def probe_update(folder: str, ds_config: dict, numel: int, repeats: int = 5, layers: int = 4) -> Tuple[float, float]:
     """Layer updates as the engine's worker runs them, per element: (states in host memory: Adam with the
     gradient in host memory, the new weights cast and written; what the states' SSD round trip adds).
     Several updates of ``numel`` elements are queued on the engine's own ``UpdatePipeline``, so the next
@@ -112,7 +135,7 @@ def probe_update(folder: str, ds_config: dict, numel: int, repeats: int = 5) -> 
     threads = torch.get_num_threads()
     # The worker's own thread count (Adam and the cast run on it).
     torch.set_num_threads(int((ds_config.get("greedysnake") or {}).get("optimizer_worker_threads", 1)))
-    layers, unlimited = 4, 1 << 62
+    unlimited = 1 << 62
     numels = [numel] * layers
     host = SharedHostMemory(HostArena.for_gradients(numels, unlimited),
                             HostArena.for_optimizer_states(numels, layers, unlimited))
