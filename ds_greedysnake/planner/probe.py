@@ -42,7 +42,7 @@ def _median_seconds(action: Callable[[], None], repeats: int, warmup: int = 1, m
 
 
 def probe_ssd(folder: str, ds_config: dict, region_mib: int = 128, repeats: int = 3) -> Dict[str, float]:
-    """The engine's transfers through SsdStore (a deep queue of chunks) at four sizes, for a fixed cost
+    """The engine's transfers through SsdStore (a deep queue of chunks) at five sizes, for a fixed cost
     per transfer plus a rate (``_per_transfer``); and one region whole as one aio op per transfer, as
     ZeRO-3's swapper issues a tensor."""
     os.makedirs(folder, exist_ok=True)
@@ -64,17 +64,19 @@ def probe_ssd(folder: str, ds_config: dict, region_mib: int = 128, repeats: int 
 
         rates = {f"ssd_{kind}_bytes_per_s_single": region.padded_bytes / _median_seconds(one_op(kind), repeats)
                  for kind in ("write", "read")}
-        # Four sizes from an eighth of the region to half of it: 16 to 64 MiB by default, about the engine's
-        # layer and state-piece transfers.
-        fractions = (8, 6, 4, 2)
+        # Five sizes from a 32nd of the region to half of it: 4 to 64 MiB by default, around the engine's
+        # layer and state-piece transfers (12-50 MB on ab_bench's ssd_bound). The time is not linear in the
+        # size here (a 4 MiB read ran at half a 64 MiB one's rate): fitted over 16-64 MiB only, the line
+        # put a 12.6 MB read at 13.8 ms against the 8-10 ms it takes (docs/planner.md).
+        fractions = (32, 16, 8, 4, 2)
         sizes = [max(4096, region_mib * MIB // fraction // 4096 * 4096) for fraction in fractions]
-        rates.update(_per_transfer(store, sizes, 2 * repeats))
+        rates.update(_per_transfer(store, sizes, 2 * repeats, min_seconds=4.0 if repeats >= 3 else 1.0))
         return rates
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _per_transfer(store: SsdStore, sizes, rounds: int) -> Dict[str, float]:
+def _per_transfer(store: SsdStore, sizes, rounds: int, min_seconds: float = 0.0) -> Dict[str, float]:
     """Reads and writes of several region sizes through the engine's store, the sizes interleaved round
     after round; a line through every timing (``_fit_line``) gives the rate (its slope) and the fixed
     cost of a transfer (its intercept, at least 0). Here a transfer of the engine's layer size ran at
@@ -87,13 +89,17 @@ def _per_transfer(store: SsdStore, sizes, rounds: int) -> Dict[str, float]:
     try:
         for buffer in buffers:
             buffer.fill_(7)
-        for round_index in range(rounds + 1):  # the first round warms up
+        # At least ``rounds`` after a warm-up round, and on until ``min_seconds`` have passed: the line is of
+        # the disk over a few seconds, as long as a few training steps, not of one moment of its drift.
+        probe_started, round_index = time.perf_counter(), 0
+        while round_index <= rounds or time.perf_counter() - probe_started < min_seconds:
+            round_index += 1
             for region, buffer in zip(regions, buffers):
                 for kind, transfer in (("write", store.write), ("read", store.read)):
-                    started = time.perf_counter()
+                    transfer_started = time.perf_counter()
                     transfer(region, buffer)
-                    if round_index:
-                        points[kind].append((region.padded_bytes, time.perf_counter() - started))
+                    if round_index > 1:  # the first round warms up
+                        points[kind].append((region.padded_bytes, time.perf_counter() - transfer_started))
     finally:
         for buffer in buffers:
             store.free_buffer(buffer)
