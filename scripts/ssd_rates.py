@@ -99,15 +99,15 @@ def measure(folder: str, aio: dict, sizes_mib, in_flight, rounds: int) -> dict:
         for round_index in range(rounds + 1):  # the first round warms up
             for size in sizes_mib:
                 store, region, buffer = targets[size][0]
-                measured = [("write", timed(lambda: store.write(region, buffer))),
-                            ("read", timed(lambda: store.read(region, buffer)))]
-                measured += [(f"read, {count} in flight", timed(read_together(size, count))) for count in in_flight]
+                measured = [("write", 1, timed(lambda: store.write(region, buffer))),
+                            ("read", 1, timed(lambda: store.read(region, buffer)))]
+                measured += [(f"read, {count} in flight", count, timed(read_together(size, count)))
+                             for count in in_flight]
                 if round_index:
-                    for transfer, elapsed in measured:
-                        seconds.setdefault((size, transfer), []).append(elapsed)
+                    for transfer, count, elapsed in measured:
+                        seconds.setdefault((size, transfer, count), []).append(elapsed)
         rows = []
-        for (size, transfer), times in seconds.items():
-            count = 1 if transfer in ("read", "write") else int(transfer.split(", ")[1].split()[0])
+        for (size, transfer, count), times in seconds.items():
             rates = [count * size / elapsed for elapsed in times]
             rows.append({"size_mib": size, "transfer": transfer, "regions": count, "seconds": times,
                          "mib_per_s_median": statistics.median(rates), "mib_per_s_min": min(rates),

@@ -127,7 +127,7 @@ def _fit_line(points) -> Tuple[float, float]:
     return slope, statistics.median(y - slope * x for x, y in points)
 
 
-def probe_update(folder: str, ds_config: dict, numel: int, repeats: int = 5, layers: int = 4) -> Tuple[float, float]:
+def probe_update(folder: str, ds_config: dict, numel: int, repeats: int = 5) -> Tuple[float, float]:
     """Layer updates as the engine's worker runs them, per element: (states in host memory: Adam with the
     gradient in host memory, the new weights cast and written; what the states' SSD round trip adds).
     Several updates of ``numel`` elements are queued on the engine's own ``UpdatePipeline``, so the next
@@ -141,7 +141,7 @@ def probe_update(folder: str, ds_config: dict, numel: int, repeats: int = 5, lay
     threads = torch.get_num_threads()
     # The worker's own thread count (Adam and the cast run on it).
     torch.set_num_threads(int((ds_config.get("greedysnake") or {}).get("optimizer_worker_threads", 1)))
-    unlimited = 1 << 62
+    layers, unlimited = 4, 1 << 62
     numels = [numel] * layers
     host = SharedHostMemory(HostArena.for_gradients(numels, unlimited),
                             HostArena.for_optimizer_states(numels, layers, unlimited))
