@@ -6,9 +6,10 @@ cd "$REPO"
 
 # libaio: DeepSpeed's async I/O op links against it.
 if ! dpkg -s libaio-dev >/dev/null 2>&1; then
-    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-    $SUDO apt-get update -qq
-    $SUDO DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libaio-dev
+    # As an argument list, not "$SUDO VAR=value cmd": with SUDO empty, bash would run "VAR=value" as a command.
+    SUDO=(); [ "$(id -u)" -ne 0 ] && SUDO=(sudo)
+    "${SUDO[@]}" apt-get update -qq
+    "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libaio-dev
 fi
 
 if [ ! -x .venv/bin/python ]; then
