@@ -4,13 +4,7 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$REPO"
 
-# libaio: DeepSpeed's async I/O op links against it.
-if ! dpkg -s libaio-dev >/dev/null 2>&1; then
-    # As an argument list, not "$SUDO VAR=value cmd": with SUDO empty, bash would run "VAR=value" as a command.
-    SUDO=(); [ "$(id -u)" -ne 0 ] && SUDO=(sudo)
-    "${SUDO[@]}" apt-get update -qq
-    "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libaio-dev
-fi
+bash "$REPO/scripts/install_system_packages.sh"
 
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
