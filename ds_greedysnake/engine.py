@@ -118,11 +118,9 @@ class GreedySnakeEngine(EngineBase):
         return optimizer
 
     def _lend_tied_parameters(self, split) -> None:
-        if split.ties and self.parallel.world_size > 1:
-            names = [name for tie in split.ties for name in tie.names]
-            raise ValueError(f"tied parameters {names} (the head borrows layer 0's embedding) are not supported "
-                             f"with data parallelism yet (world size {self.parallel.world_size}): untie them "
-                             "(e.g. tie_word_embeddings=False in a Hugging Face config) or run one rank")
+        # Across ranks too: every rank fetches the lender with the borrower at the same point of the
+        # schedule (one more all-gather of layer 0), and the borrower's gradient goes into the lender's
+        # accumulator, reduce-scattered once with it.
         for layer in self.layers:
             layer.lenders = [self.layers[lender] for lender in split.lenders_of(layer.index)]
 

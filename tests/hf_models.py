@@ -35,3 +35,16 @@ def tiny_model(family: str, seed: int = 0, **options) -> torch.nn.Module:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(family, **options))
     return model.float()
+
+
+def hf_data(seed: int = 0):
+    """(input_ids, labels) micro-batches; HF's loss shifts the labels itself, so labels are the inputs."""
+    from ds_greedysnake.models.gpt import micro_batches, synthetic_corpus
+    from helpers import MICRO_BATCH_SIZE
+    stream = micro_batches(synthetic_corpus(20000, VOCAB, seed), MICRO_BATCH_SIZE, SEQ_LEN, seed)
+    return ((inputs, inputs) for inputs, _ in stream)
+
+
+def hf_loss_of(model, inputs, labels):
+    """The reference's loss: HF's own, from its labels."""
+    return model(input_ids=inputs, labels=labels).loss

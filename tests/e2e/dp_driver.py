@@ -3,7 +3,9 @@
 Started once per rank with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (as the
 deepspeed launcher sets them). Rank r takes micro-batches r, r+W, r+2W, ... of the shared stream,
 so W ranks with M micro-batches each see exactly the micro-batches one rank with W*M sees.
-Rank 0 writes losses, full fp32 weights and collective bytes per step to --out.
+Rank 0 writes losses, full fp32 weights and collective bytes per step to --out. ``--hf-family`` trains
+a tiny Hugging Face model (tests/hf_models.py) instead of the tiny GPT: GPT-2's tied embeddings then
+go across ranks.
 """
 import argparse
 import os
@@ -14,7 +16,19 @@ sys.path[:0] = [HERE, os.path.dirname(HERE), os.path.dirname(os.path.dirname(HER
 
 import torch  # noqa: E402
 
+import ds_greedysnake  # noqa: E402
 from greedysnake_run import make_engine  # noqa: E402
+from helpers import ds_config  # noqa: E402
+
+
+def make_hf_engine(nvme_path: str, family: str, num_micro_batches: int, **greedysnake):
+    from ds_greedysnake.models.hf import hf_causal_lm_loss
+    from hf_models import hf_data, tiny_model
+    os.makedirs(nvme_path, exist_ok=True)
+    engine, _, _, _ = ds_greedysnake.initialize(model=tiny_model(family),
+                                                config=ds_config(nvme_path, num_micro_batches, greedysnake=greedysnake),
+                                                loss_fn=hf_causal_lm_loss)
+    return engine, hf_data()
 
 
 def main():
@@ -23,10 +37,14 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--micro-batches", type=int, required=True, help="per rank")
     parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--hf-family", default=None, help="a tiny Hugging Face model of this family")
     parser.add_argument("--last-rank-dies-after", type=int, default=None, help="steps; simulates a crash")
     args = parser.parse_args()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    engine, stream = make_engine(args.nvme, args.micro_batches, greedysnake={"collective_timeout_seconds": 60})
+    if args.hf_family:
+        engine, stream = make_hf_engine(args.nvme, args.hf_family, args.micro_batches, collective_timeout_seconds=60)
+    else:
+        engine, stream = make_engine(args.nvme, args.micro_batches, greedysnake={"collective_timeout_seconds": 60})
     assert engine.parallel.world_size == world_size
 
     def my_micro_batches():

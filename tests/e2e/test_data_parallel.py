@@ -72,6 +72,24 @@ def test_two_ranks_match_one_rank(tmp_path):
     assert one["collective_bytes"][-1] == {}, "one rank needs no collectives"
 
 
+def test_tied_embeddings_across_ranks_match_pytorch(tmp_path):
+    """GPT-2 ties its head to the token embedding (layer 0 lends it to the head): on two ranks the tied
+    weight is gathered with the head and its gradient from both uses is reduce-scattered once, with
+    layer 0's. Two ranks of 2 micro-batches each equal plain PyTorch over the same 4."""
+    pytest.importorskip("transformers")
+    from hf_models import hf_data, hf_loss_of, tiny_model
+    from helpers import reference_training
+    two = launch(tmp_path, 2, 2, 3, "tied", extra=["--hf-family", "gpt2"])
+    reference, reference_losses = reference_training(tiny_model("gpt2"), None, 4, 3, batches=hf_data(),
+                                                     loss_of=hf_loss_of)
+    expected = {name: param.detach() for name, param in reference.named_parameters()}
+    assert set(two["masters"]) == set(expected)  # the tied weight counted once
+    assert relative_l2(two["masters"], expected) <= 1e-5
+    assert relative_l2(two["masters"], {name: param.detach() for name, param in
+                                        tiny_model("gpt2").named_parameters()}) > 1e-3  # the weights moved
+    assert two["losses"] == pytest.approx(reference_losses, rel=1e-5)
+
+
 def test_collective_traffic_does_not_grow_with_micro_batches(tmp_path):
     few = launch(tmp_path, 2, 1, 2, "m1")
     many = launch(tmp_path, 2, 3, 2, "m3")

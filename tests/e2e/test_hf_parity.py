@@ -8,26 +8,15 @@ import torch
 pytest.importorskip("transformers")
 
 import ds_greedysnake  # noqa: E402
-from ds_greedysnake.models.gpt import micro_batches, synthetic_corpus  # noqa: E402
 from ds_greedysnake.models.hf import hf_causal_lm_loss  # noqa: E402
-from hf_models import FAMILIES, SEQ_LEN, VOCAB, tiny_model  # noqa: E402
-from helpers import MICRO_BATCH_SIZE, ds_config, reference_training, relative_l2  # noqa: E402
+from hf_models import FAMILIES, hf_data, hf_loss_of, tiny_model  # noqa: E402
+from helpers import ds_config, reference_training, relative_l2  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 NUM_MICRO_BATCHES = 3
 STEPS = 3
 FP32_TOLERANCE = 1e-5
-
-
-def hf_data(seed: int = 0):
-    """(input_ids, labels) micro-batches; HF's loss shifts the labels itself, so labels are the inputs."""
-    stream = micro_batches(synthetic_corpus(20000, VOCAB, seed), MICRO_BATCH_SIZE, SEQ_LEN, seed)
-    return ((inputs, inputs) for inputs, _ in stream)
-
-
-def hf_loss_of(model, inputs, labels):
-    return model(input_ids=inputs, labels=labels).loss
 
 
 def train_greedysnake(nvme_path, family, steps, seed=0, clipping=0.0, model_options=None, **greedysnake):
