@@ -62,6 +62,12 @@ class GreedySnakeConfig(DeepSpeedConfigModel):
     prefetch: bool = True
     """Read the next layer's parameters from SSD while the current layer computes."""
 
+    prefetch_depth: int = Field(1, ge=1)
+    """With ``prefetch``, how many layers' parameter reads are kept in flight ahead of the layer
+    computing, each on its own aio handle. 2 keeps a read queued behind the one the SSD serves, which
+    a disk that idles between requests needs (docs/ab_bench.md). Each one more costs a host buffer of
+    the largest layer's parameters (this rank's shard, in the compute dtype)."""
+
     optimizer_overlap: bool = True
     """Run each layer's Adam update in a worker process while training goes on: during backward for
     layers ``deferred_layers`` and up (speculatively, committed or discarded once every gradient is

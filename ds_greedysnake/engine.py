@@ -87,7 +87,8 @@ class GreedySnakeEngine(EngineBase):
         self.layers = [LayerOwner(index, module, self.compute_dtype, device, self.parallel, split.borrowed_by(index))
                        for index, module in enumerate(split.layers)]
         self._lend_tied_parameters(split)
-        param_store = SsdStore(folder, self.ds_config_dict, self.io_counters, "param")
+        prefetch_depth = setup.config.prefetch_depth if setup.config.prefetch else 1
+        param_store = SsdStore(folder, self.ds_config_dict, self.io_counters, "param", read_handles=prefetch_depth)
         optimizer_store = SsdStore(folder, self.ds_config_dict, self.io_counters, "optimizer")
         activation_store = SsdStore(folder, self.ds_config_dict, self.io_counters, "activation")
         num_layers = len(self.layers)
@@ -103,10 +104,11 @@ class GreedySnakeEngine(EngineBase):
                                   int(setup.config.optimizer_host_memory_mb * 2**20),
                                   layers_updated_after_decision(num_layers, overlap, deferred, clipping > 0),
                                   int(setup.config.optimizer_read_ahead_mb * 2**20))
-        # Two buffers: the layer computing and the one being prefetched; a third for a lender resident
-        # with its borrower (tied embeddings: layer 0 stays with the head).
+        # The layer computing and the ones being prefetched (with prefetch off, a fetch still needs two
+        # at the turn, where layer L-2 stays with the head); one more for a lender resident with its
+        # borrower (tied embeddings: layer 0 stays with the head).
         pool = BufferPool(param_store, max(padded_size(layer.shard_bytes) for layer in self.layers),
-                          count=3 if split.ties else 2)
+                          count=1 + prefetch_depth + (1 if split.ties else 0))
         for layer in self.layers:
             shard = layer.layout.own_shard(layer.flat_parameters())
             optimizer.initialise_layer(layer, shard.float())
@@ -114,7 +116,7 @@ class GreedySnakeEngine(EngineBase):
         budget = int(setup.config.activation_host_memory_mb * 2**20)
         self.activations = ActivationStore(activation_store, budget, device)
         self.executor = Executor(self.layers, self.activations, optimizer, setup.loss_fn, accumulate_dtype,
-                                 setup.config.prefetch, overlap, deferred)
+                                 setup.config.prefetch, overlap, deferred, prefetch_depth)
         return optimizer
 
     def _lend_tied_parameters(self, split) -> None:

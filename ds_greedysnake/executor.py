@@ -30,13 +30,14 @@ class Executor:
 
     def __init__(self, layers: List[LayerOwner], activations: ActivationStore, optimizer: LayerwiseAdam,
                  loss_fn: Callable, grad_accumulate_dtype: torch.dtype, prefetch: bool, overlap: bool,
-                 deferred_layers: Optional[int]):
+                 deferred_layers: Optional[int], prefetch_depth: int = 1):
         self.layers = layers
         self.activations = activations
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.grad_accumulate_dtype = grad_accumulate_dtype
         self.prefetch = prefetch
+        self.prefetch_depth = prefetch_depth
         self.overlap = overlap
         # Exactness under clipping: nothing may be updated before the global norm is known.
         self.deferred_layers = layers_updated_after_decision(len(layers), overlap, deferred_layers,
@@ -48,7 +49,8 @@ class Executor:
     def schedule(self, num_micro_batches: int) -> List[Op]:
         if num_micro_batches not in self._schedules:
             self._schedules[num_micro_batches] = build_step_schedule(
-                len(self.layers), num_micro_batches, self.prefetch, self.overlap, self.deferred_layers)
+                len(self.layers), num_micro_batches, self.prefetch, self.overlap, self.deferred_layers,
+                self.prefetch_depth)
         return self._schedules[num_micro_batches]
 
     def run_step(self, micro_batches: Sequence[MicroBatch]) -> StepResult:

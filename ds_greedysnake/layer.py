@@ -145,7 +145,7 @@ class LayerOwner:
         if self.state == Residency.ON_SSD:
             self.wait_for_update()
             self._start_read()
-        self._store.finish_read()
+        self._store.wait_for_read(self._host_buffer)
         shard = self._host_buffer[:self.shard_bytes].view(self.compute_dtype)
         if shard.device != self.device:
             shard = shard.to(self.device)  # blocking: the host buffer can be reused after it
@@ -165,7 +165,7 @@ class LayerOwner:
         if self.state == Residency.ON_SSD:
             return
         if self.state == Residency.READING:
-            self._store.finish_read()
+            self._store.wait_for_read(self._host_buffer)
         self._drop_parameters()
         if self._host_buffer is not None:
             self._pool.give_back(self._host_buffer)

@@ -52,9 +52,38 @@ def micro_batch_order(layer: int, num_micro_batches: int) -> List[int]:
     return ascending if layer % 2 == 0 else ascending[::-1]
 
 
+def fetch_order(num_layers: int) -> List[int]:
+    """The layers in the order the step fetches them: 0 .. L-2 forward, then L-1 down to 0 backward
+    (layer L-2's second fetch finds it still resident)."""
+    last = num_layers - 1
+    return list(range(last)) + list(range(last, -1, -1))
+
+
+def prefetch_targets(num_layers: int, prefetch_depth: int) -> List[Optional[int]]:
+    """For each position of ``fetch_order``, the layer whose read starts right after that fetch: the one
+    ``prefetch_depth`` fetches ahead, unless it is resident then (layer L-2 across the turn). So at
+    most ``prefetch_depth`` reads are in flight, each started as early as that allows."""
+    order, turn = fetch_order(num_layers), num_layers - 2
+    # Layer L-2 is resident from its forward fetch (position L-2) to the end of its backward (position L).
+    resident_at = lambda position: {order[position]} | ({turn} if turn <= position <= turn + 2 else set())
+    targets: List[Optional[int]] = []
+    for position in range(len(order)):
+        ahead = position + prefetch_depth
+        target = order[ahead] if ahead < len(order) else None
+        if target is not None and (target in resident_at(position) or target in order[position + 1:ahead]):
+            target = None  # resident, or its read (from an earlier position of the window) is already started
+        targets.append(target)
+    return targets
+
+
 def build_step_schedule(num_layers: int, num_micro_batches: int, prefetch: bool = True,
-                        overlap: bool = False, deferred_layers: Optional[int] = None) -> List[Op]:
+                        overlap: bool = False, deferred_layers: Optional[int] = None,
+                        prefetch_depth: int = 1) -> List[Op]:
     """Every operation of one training step, in the order the executor runs them.
+
+    With ``prefetch``, ``prefetch_depth`` parameter reads are kept in flight ahead of the layer
+    computing (``prefetch_targets``): with 2, the SSD always has a read queued behind the one it is
+    serving, which it needs to reach its rate on layer-sized reads (docs/ab_bench.md).
 
     Without overlap every layer's update follows the global decision at the end of backward. With
     overlap, layers ``deferred_layers`` .. L-1 are updated during backward, speculatively, right after
@@ -73,27 +102,29 @@ def build_step_schedule(num_layers: int, num_micro_batches: int, prefetch: bool 
                          f"got {deferred_layers}")
     if not overlap:
         deferred_layers = num_layers
+    if prefetch_depth < 1:
+        raise ValueError(f"prefetch_depth must be at least 1, got {prefetch_depth}")
     last = num_layers - 1
     ops: List[Op] = []
+    targets = iter(prefetch_targets(num_layers, prefetch_depth))
 
-    def fetch(layer: int, next_layer: Optional[int]) -> None:
+    def fetch(layer: int) -> None:
         ops.append(Op(OpKind.FETCH, layer))
         # The next read starts as soon as this layer is resident, so it overlaps this layer's compute.
-        if prefetch and next_layer is not None:
-            ops.append(Op(OpKind.PREFETCH, next_layer))
+        target = next(targets)
+        if prefetch and target is not None:
+            ops.append(Op(OpKind.PREFETCH, target))
 
     if prefetch:
-        ops.append(Op(OpKind.PREFETCH, 0))
+        ops.extend(Op(OpKind.PREFETCH, layer) for layer in dict.fromkeys(fetch_order(num_layers)[:prefetch_depth]))
     for layer in range(last):
-        fetch(layer, layer + 1)
+        fetch(layer)
         ops.extend(Op(OpKind.FORWARD, layer, mb) for mb in micro_batch_order(layer, num_micro_batches))
         if layer != last - 1:
             # The backward sweep needs layer L-2 right after the last layer: keep it rather than read it again.
             ops.append(Op(OpKind.RELEASE, layer))
     for layer in range(last, -1, -1):
-        # Layer L-2, below the last layer, is still resident from forward: nothing to prefetch there.
-        below = layer - 1 if 0 < layer < last else None
-        fetch(layer, below)
+        fetch(layer)
         kind = OpKind.LOSS_BACKWARD if layer == last else OpKind.BACKWARD
         ops.extend(Op(kind, layer, mb) for mb in micro_batch_order(layer, num_micro_batches))
         ops.append(Op(OpKind.FLUSH_GRADS, layer))

@@ -131,13 +131,17 @@ class SsdStore:
     (measured here: a 50 MiB write with a 38 MiB read, 34 ms on one handle, 32 ms on two).
     """
 
-    def __init__(self, folder: str, ds_config: dict, counters: IoCounters, name: str):
+    def __init__(self, folder: str, ds_config: dict, counters: IoCounters, name: str, read_handles: int = 1):
         self.folder = folder
         self.ds_config = ds_config
         self.counters = counters
         self.name = name
-        self._handles = {"read": deepspeed_compat.new_aio_handle(ds_config),
-                         "write": deepspeed_compat.new_aio_handle(ds_config)}
+        if read_handles < 1:
+            raise ValueError(f"an SsdStore needs at least one read handle, got {read_handles}")
+        # With several read handles, each read in flight has a handle of its own, so that one read can
+        # be waited for (``wait_for_read``) while the others stay in flight: a handle only waits for all.
+        self._read_handles = [deepspeed_compat.new_aio_handle(ds_config) for _ in range(read_handles)]
+        self._handles = {"read": self._read_handles[0], "write": deepspeed_compat.new_aio_handle(ds_config)}
         # Locked buffers belong to the handle that allocated them (and are freed through it); any
         # handle transfers them.
         self._buffer_handle = self._handles["read"]
@@ -191,7 +195,22 @@ class SsdStore:
         if not self._in_flight:
             return
         transfers, self._in_flight = self._in_flight, []
-        completed = self._wait_handles(transfers)
+        self._check_completed(transfers, self._wait_handles(transfers))
+
+    def wait_for_read(self, buffer: torch.Tensor) -> None:
+        """Complete the read in flight into ``buffer`` (checked and counted as by ``wait``), leaving the
+        other reads in flight; with one read handle, or with writes in flight, this is ``wait``."""
+        transfer = next((t for t in self._in_flight if t.kind == "read" and t.buffer is buffer), None)
+        if transfer is None:
+            return  # completed by an earlier wait
+        if len(self._read_handles) == 1 or any(t.kind == "write" for t in self._in_flight):
+            self.wait()
+            return
+        self._in_flight.remove(transfer)
+        completed = transfer.handle.wait() if transfer.num_ops else 0
+        self._check_completed([transfer], completed)
+
+    def _check_completed(self, transfers: List["_Transfer"], completed: int) -> None:
         expected_ops = sum(transfer.num_ops for transfer in transfers)
         if completed != expected_ops:
             for transfer in transfers:
@@ -214,9 +233,6 @@ class SsdStore:
                 self.counters.bytes_written[region.category] += region.padded_bytes
                 self.counters.writes[region.category] += 1
 
-    def finish_read(self) -> None:
-        self.wait()
-
     def write(self, region: Region, buffer: torch.Tensor) -> None:
         self.start_write(region, buffer)
         self.wait()
@@ -231,14 +247,25 @@ class SsdStore:
 
     def _wait_handles(self, transfers: List["_Transfer"]) -> int:
         """Wait on every handle with ops of ``transfers`` in flight; the number of ops they completed."""
-        completed = 0
-        for kind, handle in self._handles.items():
-            if any(transfer.kind == kind and transfer.num_ops for transfer in transfers):
-                completed += handle.wait()
-        return completed
+        handles = list({id(t.handle): t.handle for t in transfers if t.num_ops and t.handle is not None}.values())
+        return sum(handle.wait() for handle in handles)
+
+    def _free_read_handle(self):
+        """A read handle with nothing in flight; with one handle, that handle (its ops queue). When every
+        handle is busy (a read beyond the prefetch depth: a tied layer's lender), everything in flight
+        is completed first: correct, only less overlapped."""
+        if len(self._read_handles) == 1:
+            return self._read_handles[0]
+        busy = [t.handle for t in self._in_flight if t.kind == "read"]
+        free = [h for h in self._read_handles if not any(h is other for other in busy)]
+        if not free:
+            self.wait()
+            return self._read_handles[0]
+        return free[0]
 
     def _submit(self, transfer: "_Transfer") -> None:
-        handle = self._handles[transfer.kind]
+        handle = self._free_read_handle() if transfer.kind == "read" else self._handles["write"]
+        transfer.handle = handle
         region, issue = transfer.region, (handle.pread if transfer.kind == "read" else handle.pwrite)
         for offset, length in chunks(region.padded_bytes):
             result = issue(transfer.buffer[offset:offset + length], region.path, False, True, offset)
@@ -266,6 +293,7 @@ class _Transfer:
     region: Region
     buffer: torch.Tensor
     num_ops: int = 0
+    handle: object = None  # the aio handle its ops went to
 
 
 def chunks(num_bytes: int):

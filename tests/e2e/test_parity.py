@@ -54,6 +54,22 @@ def test_spilling_and_prefetch_change_nothing(tmp_path):
     assert baseline.losses == spilled.losses
 
 
+def test_deeper_prefetch_changes_nothing(tmp_path):
+    """Two or three parameter reads in flight (prefetch_depth), each on its own aio handle, some of them
+    skipped while the layer's update still runs (the overlap): the same bits, the same parameter bytes
+    read per step."""
+    runs = {depth: run_greedysnake(str(tmp_path / str(depth)), NUM_MICRO_BATCHES, 2,
+                                   greedysnake={"prefetch_depth": depth})
+            for depth in (1, 2, 3)}
+    for depth in (2, 3):
+        for name, value in runs[1].masters.items():
+            assert torch.equal(value, runs[depth].masters[name]), (depth, name)
+        assert runs[depth].losses == runs[1].losses
+        assert runs[depth].metrics[-1].ssd_bytes_read["param"] == runs[1].metrics[-1].ssd_bytes_read["param"]
+    for run in runs.values():
+        run.engine.close()
+
+
 def test_gradient_paths_change_nothing(tmp_path):
     """Gradients through shared host memory (default), through SSD, or some of each: the same bits."""
     host = run_greedysnake(str(tmp_path / "host"), NUM_MICRO_BATCHES, 2)

@@ -42,10 +42,15 @@ def test_every_micro_batch_passes_every_layer_once_in_snake_order(num_layers, nu
                for op in ops if op.kind in (OpKind.BACKWARD, OpKind.LOSS_BACKWARD))
 
 
-@pytest.mark.parametrize("num_layers,num_micro_batches,prefetch", SIZES)
-def test_layers_are_resident_exactly_when_used(num_layers, num_micro_batches, prefetch):
-    """Replay the schedule against a residency model: compute only on fetched layers, one read per fetch."""
-    ops = build_step_schedule(num_layers, num_micro_batches, prefetch)
+RESIDENCY_SIZES = [(layers, mbs, prefetch, depth) for layers, mbs, prefetch in SIZES for depth in (1, 2, 3)
+                   if prefetch or depth == 1]
+
+
+@pytest.mark.parametrize("num_layers,num_micro_batches,prefetch,depth", RESIDENCY_SIZES)
+def test_layers_are_resident_exactly_when_used(num_layers, num_micro_batches, prefetch, depth):
+    """Replay the schedule against a residency model: compute only on fetched layers, one read per fetch,
+    at most ``depth`` reads in flight and 1 + ``depth`` parameter buffers in use."""
+    ops = build_step_schedule(num_layers, num_micro_batches, prefetch, prefetch_depth=depth)
     resident, in_flight, reads = set(), set(), 0
     backward_done = {layer: 0 for layer in range(num_layers)}
     flushed = set()
@@ -73,8 +78,8 @@ def test_layers_are_resident_exactly_when_used(num_layers, num_micro_batches, pr
             flushed.add(op.layer)
         elif op.kind == OpKind.DECIDE_STEP:
             assert flushed == set(range(num_layers)) and not resident and not in_flight
-        # The parameter pool holds two buffers: resident layers and reads in flight share them.
-        assert len(in_flight) <= 1 and len(resident) + len(in_flight) <= 2, (op, resident, in_flight)
+        # The parameter pool holds 1 + depth buffers: resident layers and reads in flight share them.
+        assert len(in_flight) <= depth and len(resident) + len(in_flight) <= 1 + depth, (op, resident, in_flight)
     assert ops[-1].kind in (OpKind.DECIDE_STEP, OpKind.UPDATE)
     assert reads == parameter_reads_per_step(num_layers) == 2 * num_layers - 2
     if prefetch:
@@ -83,6 +88,35 @@ def test_layers_are_resident_exactly_when_used(num_layers, num_micro_batches, pr
         for index in fetches:
             earlier = [op for op in ops[:index] if op.kind == OpKind.PREFETCH and op.layer == ops[index].layer]
             assert earlier
+        # Each read starts as early as the pool allows: ``depth`` fetches ahead (or at the start).
+        if depth < num_layers:
+            assert max(len(in_flight_at) for in_flight_at in _reads_in_flight(ops)) == min(depth, num_layers - 1)
+
+
+def _reads_in_flight(ops):
+    """The set of layers being read after each op."""
+    in_flight, history = set(), []
+    for op in ops:
+        if op.kind == OpKind.PREFETCH:
+            in_flight.add(op.layer)
+        elif op.kind == OpKind.FETCH:
+            in_flight.discard(op.layer)
+        history.append(set(in_flight))
+    return history
+
+
+def test_deeper_prefetch_reads_two_layers_ahead():
+    text = format_schedule([op for op in build_step_schedule(4, 1, prefetch_depth=2)
+                            if op.kind in (OpKind.PREFETCH, OpKind.FETCH, OpKind.RELEASE)])
+    # Layer 2 (L-2) is kept across the turn, so backward's reads of 1 and 0 start at the head and at 2.
+    assert text == ("prefetch[0] prefetch[1] fetch[0] prefetch[2] release[0] fetch[1] prefetch[3] release[1] fetch[2] "
+                    "fetch[3] prefetch[1] release[3] fetch[2] prefetch[0] release[2] fetch[1] release[1] fetch[0] "
+                    "release[0]")
+
+
+def test_rejects_prefetch_depth_zero():
+    with pytest.raises(ValueError, match="prefetch_depth must be at least 1, got 0"):
+        build_step_schedule(4, 1, prefetch_depth=0)
 
 
 OVERLAP_SIZES = [(layers, mbs, deferred) for layers in range(2, 7) for mbs in (1, 3)

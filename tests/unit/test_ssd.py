@@ -50,6 +50,56 @@ def test_transfers_in_flight_together(store):
     store.wait()  # nothing in flight: a no-op
 
 
+def _written_regions(store, count, num_bytes):
+    regions, buffers = [], []
+    for index in range(count):
+        region = store.create_region(f"r{index}", num_bytes, "param")
+        source = store.new_buffer(region)
+        source.fill_(index + 1)
+        store.write(region, source)
+        regions.append(region)
+        buffers.append(store.new_buffer(region))
+    return regions, buffers
+
+
+def test_one_read_waited_while_others_stay_in_flight(tmp_path):
+    """With a read handle per read, waiting for one read completes it alone, checked and counted."""
+    store = SsdStore(str(tmp_path), {}, IoCounters(), "deep", read_handles=2)
+    num_bytes = 3 * ssd.CHUNK_BYTES  # three ops per read
+    (first, second), (first_buffer, second_buffer) = _written_regions(store, 2, num_bytes)
+    store.start_read(first, first_buffer)
+    store.start_read(second, second_buffer)
+    store.wait_for_read(first_buffer)
+    assert store.read_in_flight and store.counters.reads["param"] == 1
+    assert int(first_buffer[:num_bytes].float().mean()) == 1
+    store.wait_for_read(second_buffer)
+    assert not store.read_in_flight and store.counters.reads["param"] == 2
+    assert int(second_buffer[:num_bytes].float().mean()) == 2
+    store.wait_for_read(second_buffer)  # already complete: a no-op
+
+
+def test_waiting_for_one_read_still_checks_its_tag(tmp_path):
+    store = SsdStore(str(tmp_path), {}, IoCounters(), "deep", read_handles=2)
+    (first, second), (first_buffer, second_buffer) = _written_regions(store, 2, 8_192)
+    first.generation += 1  # as if a later write of it had been lost
+    store.start_read(first, first_buffer)
+    store.start_read(second, second_buffer)
+    with pytest.raises(SsdIoError, match="found tag"):
+        store.wait_for_read(first_buffer)
+    store.wait_for_read(second_buffer)
+    assert store.counters.reads["param"] == 1
+
+
+def test_a_read_beyond_the_handles_completes_the_others_first(tmp_path):
+    store = SsdStore(str(tmp_path), {}, IoCounters(), "deep", read_handles=2)
+    regions, buffers = _written_regions(store, 3, 8_192)
+    for region, buffer in zip(regions, buffers):
+        store.start_read(region, buffer)
+    assert store.counters.reads["param"] == 2  # the first two were completed to free a handle
+    store.wait_for_read(buffers[2])
+    assert [int(buffer[:8_000].float().mean()) for buffer in buffers] == [1, 2, 3]
+
+
 def test_large_region_goes_in_chunks_and_round_trips(store):
     num_bytes = 3 * ssd.CHUNK_BYTES + 12_345
     pieces = ssd.chunks(ssd.padded_size(num_bytes))
