@@ -64,8 +64,11 @@ def prefetch_targets(num_layers: int, prefetch_depth: int) -> List[Optional[int]
     ``prefetch_depth`` fetches ahead, unless it is resident then (layer L-2 across the turn). So at
     most ``prefetch_depth`` reads are in flight, each started as early as that allows."""
     order, turn = fetch_order(num_layers), num_layers - 2
-    # Layer L-2 is resident from its forward fetch (position L-2) to the end of its backward (position L).
-    resident_at = lambda position: {order[position]} | ({turn} if turn <= position <= turn + 2 else set())
+
+    def resident_at(position: int) -> set:
+        # Layer L-2 is resident from its forward fetch (position L-2) to its backward (position L).
+        return {order[position]} | ({turn} if turn <= position <= turn + 2 else set())
+
     targets: List[Optional[int]] = []
     for position in range(len(order)):
         ahead = position + prefetch_depth

@@ -4,7 +4,10 @@
     python scripts/ssd_rates.py --nvme-path ... --sizes-mib 12 38 256 --in-flight 2 4 --rounds 8 --json out.json
 
 For each size: a write and a read of one region, then reads of several regions of that size in flight at
-once, one per store (as training and the optimizer worker each read through their own store). The sizes
+once, one per store (as training and the optimizer worker each read through their own store); a read and
+a write in flight together (the optimizer worker's cycle); and a stream of reads of --stream regions one
+after another, waited one at a time, with one read in flight and with two (the next read queued behind the
+one being served, on a second aio handle: greedysnake's prefetch_depth 1 and 2). The sizes
 are interleaved round after round, because this machine's virtual disk moved up to 1.9x within seconds
 (docs/ab_bench.md): sizes measured one after the other would measure the drift. Prints MiB/s (median and
 range over the rounds) as a markdown table; every file it writes is removed at the end.
@@ -36,6 +39,8 @@ def parse_args(argv=None):
                         help="transfer sizes in MiB (default: 4 12 36 64 256)")
     parser.add_argument("--in-flight", type=int, nargs="*", default=[2, 4],
                         help="also read this many regions of each size at once (default: 2 4; none: only one)")
+    parser.add_argument("--stream", type=int, default=8,
+                        help="regions per size read one after another in the stream rows (default 8)")
     parser.add_argument("--rounds", type=int, default=5, help="measured rounds after one warm-up round (default 5)")
     parser.add_argument("--aio", default=None, help="a JSON aio block replacing ab_bench's (DeepSpeed's keys)")
     parser.add_argument("--json", default=None, help="write the measurements here as JSON")
@@ -46,6 +51,8 @@ def parse_args(argv=None):
         parser.error(f"--sizes-mib must be positive, got {args.sizes_mib}")
     if any(count < 2 for count in args.in_flight):
         parser.error(f"--in-flight counts must be at least 2 (one region is always measured), got {args.in_flight}")
+    if args.stream < 2:
+        parser.error(f"--stream must be at least 2 regions, got {args.stream}")
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     return args
@@ -68,9 +75,22 @@ def timed(action) -> float:
     return time.perf_counter() - started
 
 
-def measure(folder: str, aio: dict, sizes_mib, in_flight, rounds: int) -> dict:
+def read_stream(store, regions, buffers) -> None:
+    """Read ``regions`` in order, waiting for each before using it, with ``len(buffers)`` reads in flight
+    (each on its own read handle of ``store``): the next reads are queued behind the one waited for."""
+    depth = len(buffers)
+    for index in range(min(depth, len(regions))):
+        store.start_read(regions[index], buffers[index])
+    for index in range(len(regions)):
+        buffer = buffers[index % depth]
+        store.wait_for_read(buffer)
+        if index + depth < len(regions):
+            store.start_read(regions[index + depth], buffer)
+
+
+def measure(folder: str, aio: dict, sizes_mib, in_flight, rounds: int, stream: int = 8) -> dict:
     """{"rows": [{size_mib, transfer, seconds: [...]}, ...]}: the rounds' seconds of every transfer kind."""
-    from ds_greedysnake.ssd import IoCounters, SsdStore
+    from ds_greedysnake.ssd import IoCounters, SsdStore, padded_size
     scratch = tempfile.mkdtemp(prefix="ssd_rates_", dir=folder)
     stores, buffers = [], []
     try:
@@ -86,7 +106,30 @@ def measure(folder: str, aio: dict, sizes_mib, in_flight, rounds: int) -> dict:
                 buffer.fill_(7)
                 store.write(region, buffer)  # reads check the tag of what was written
                 targets[size].append((store, region, buffer))
+        # The stream rows: ``stream`` regions of each size on one store with two read handles.
+        stream_store = SsdStore(scratch, {"aio": aio}, IoCounters(), "stream", read_handles=2)
+        stores.append(stream_store)
+        stream_buffers = [stream_store.buffer(padded_size(int(max(sizes_mib) * MIB))) for _ in range(2)]
+        buffers += [(stream_store, buffer) for buffer in stream_buffers]
+        streams = {}
+        for size in sizes_mib:
+            streams[size] = [stream_store.create_region(f"stream{index}_{size:g}mib", int(size * MIB), "probe")
+                             for index in range(stream)]
+            for region in streams[size]:
+                stream_store.write(region, stream_buffers[0])
         seconds = {}
+
+        def read_and_write(size):
+            """One region read while another is written (different stores, as the worker's read and write
+            handles are different): the rate counts both transfers' bytes."""
+            store, region, buffer = targets[size][0]
+
+            def run():
+                store.start_read(region, buffer)
+                stream_store.start_write(streams[size][0], stream_buffers[0])
+                store.wait()
+                stream_store.wait()
+            return run
 
         def read_together(size, count):
             def run():
@@ -103,6 +146,10 @@ def measure(folder: str, aio: dict, sizes_mib, in_flight, rounds: int) -> dict:
                             ("read", 1, timed(lambda: store.read(region, buffer)))]
                 measured += [(f"read, {count} in flight", count, timed(read_together(size, count)))
                              for count in in_flight]
+                measured.append(("read + write at once", 2, timed(read_and_write(size))))
+                measured += [(f"stream of {stream}, {depth} in flight", stream,
+                              timed(lambda: read_stream(stream_store, streams[size], stream_buffers[:depth])))
+                             for depth in (1, 2)]
                 if round_index:
                     for transfer, count, elapsed in measured:
                         seconds.setdefault((size, transfer, count), []).append(elapsed)
@@ -131,7 +178,7 @@ def main(argv=None):
     args = parse_args(argv)
     aio = aio_block(args.aio)
     started = time.time()
-    result = measure(args.nvme_path, aio, args.sizes_mib, args.in_flight, args.rounds)
+    result = measure(args.nvme_path, aio, args.sizes_mib, args.in_flight, args.rounds, args.stream)
     result.update({"aio": aio, "nvme_path": os.path.abspath(args.nvme_path), "rounds": args.rounds,
                    "machine": os.uname().nodename, "cpus": os.cpu_count(),
                    "started": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(started)) + " UTC",
