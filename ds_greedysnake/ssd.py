@@ -199,11 +199,11 @@ class SsdStore:
 
     def wait_for_read(self, buffer: torch.Tensor) -> None:
         """Complete the read in flight into ``buffer`` (checked and counted as by ``wait``), leaving the
-        other reads in flight; with one read handle, or with writes in flight, this is ``wait``."""
+        other transfers in flight; with one read handle (its reads share it), this is ``wait``."""
         transfer = next((t for t in self._in_flight if t.kind == "read" and t.buffer is buffer), None)
         if transfer is None:
             return  # completed by an earlier wait
-        if len(self._read_handles) == 1 or any(t.kind == "write" for t in self._in_flight):
+        if len(self._read_handles) == 1:
             self.wait()
             return
         self._in_flight.remove(transfer)
