@@ -141,10 +141,10 @@ class SsdStore:
         # With several read handles, each read in flight has a handle of its own, so that one read can
         # be waited for (``wait_for_read``) while the others stay in flight: a handle only waits for all.
         self._read_handles = [deepspeed_compat.new_aio_handle(ds_config) for _ in range(read_handles)]
-        self._handles = {"read": self._read_handles[0], "write": deepspeed_compat.new_aio_handle(ds_config)}
+        self._write_handle = deepspeed_compat.new_aio_handle(ds_config)
         # Locked buffers belong to the handle that allocated them (and are freed through it); any
         # handle transfers them.
-        self._buffer_handle = self._handles["read"]
+        self._buffer_handle = self._read_handles[0]
         self._in_flight: List[_Transfer] = []
         self._next_id = 0
         os.makedirs(folder, exist_ok=True)
@@ -247,7 +247,7 @@ class SsdStore:
 
     def _wait_handles(self, transfers: List["_Transfer"]) -> int:
         """Wait on every handle with ops of ``transfers`` in flight; the number of ops they completed."""
-        handles = list({id(t.handle): t.handle for t in transfers if t.num_ops and t.handle is not None}.values())
+        handles = list({id(t.handle): t.handle for t in transfers if t.num_ops}.values())
         return sum(handle.wait() for handle in handles)
 
     def _free_read_handle(self):
@@ -264,7 +264,7 @@ class SsdStore:
         return free[0]
 
     def _submit(self, transfer: "_Transfer") -> None:
-        handle = self._free_read_handle() if transfer.kind == "read" else self._handles["write"]
+        handle = self._free_read_handle() if transfer.kind == "read" else self._write_handle
         transfer.handle = handle
         region, issue = transfer.region, (handle.pread if transfer.kind == "read" else handle.pwrite)
         for offset, length in chunks(region.padded_bytes):
