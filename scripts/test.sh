@@ -4,4 +4,5 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 bash "$REPO/scripts/setup.sh"
 cd "$REPO"
-python -m pytest -q -p no:cacheprovider tests "$@"
+# --durations: the slowest tests, so that a suite growing past its budget shows where.
+python -m pytest -q -p no:cacheprovider --durations=25 tests "$@"

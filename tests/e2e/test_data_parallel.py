@@ -2,7 +2,6 @@
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -100,10 +99,11 @@ def test_collective_traffic_does_not_grow_with_micro_batches(tmp_path):
 
 
 def test_a_dead_rank_makes_the_others_fail_clearly_and_soon(tmp_path):
-    started = time.monotonic()
+    # "Soon" without a stopwatch: launch() gives each rank at most 10 minutes, less than DeepSpeed's
+    # 30-minute default collective timeout, so a survivor that waited for that default fails the test
+    # there; the driver sets collective_timeout_seconds to 60.
     (survivor_code, survivor_output), (dead_code, _) = launch(
         tmp_path, 2, 1, 3, "dies", extra=["--last-rank-dies-after", "1"], expect_success=False)
     assert dead_code == 3
     assert survivor_code != 0
     assert "failed on rank 0: another rank died" in survivor_output
-    assert time.monotonic() - started < 300, "the survivor must not wait for the 30-minute default timeout"
