@@ -158,7 +158,8 @@ def read_full_layer(load_dir: str, tag: str, index: int, numel: int) -> LayerSta
     def load(name: str) -> Dict[str, Any]:
         path = os.path.join(folder, name)
         try:
-            return torch.load(path, map_location="cpu", weights_only=False)
+            # Memory-mapped: what the caller never touches (an export leaves the moments) is never read.
+            return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
         except (OSError, RuntimeError, EOFError) as error:
             raise CheckpointError(f"cannot read {path}: {error}") from None
 
@@ -166,10 +167,11 @@ def read_full_layer(load_dir: str, tag: str, index: int, numel: int) -> LayerSta
     shards = [load(f"layer_{index}.rank{rank}.pt") for rank in range(world_size)]
     parts = []
     for key in ("master", "exp_avg", "exp_avg_sq"):
-        full = torch.cat([shard[key].reshape(-1) for shard in shards])
+        pieces = [shard[key].reshape(-1) for shard in shards]
+        full = pieces[0] if world_size == 1 else torch.cat(pieces)
         # Each rank saved ceil(numel / world_size) elements, the last one zero-padded.
         if not numel <= full.numel() < numel + world_size:
             raise CheckpointError(f"layer {index} in {folder} holds {full.numel()} elements over {world_size} "
                                   f"rank(s), the model's layer has {numel}: not this model's checkpoint")
-        parts.append(full[:numel].clone())
+        parts.append(full[:numel])
     return LayerState(*parts)

@@ -12,7 +12,7 @@ read. Host memory holds about one layer, never the model. The same, for a model 
 import contextlib
 import json
 import os
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -87,11 +87,14 @@ class SafetensorsFolder:
         return shapes
 
     def read(self, keys: Sequence[str]) -> Dict[str, torch.Tensor]:
-        tensors = {}
+        return dict(self.each(keys))
+
+    def each(self, keys: Sequence[str]) -> Iterator[Tuple[str, torch.Tensor]]:
+        """(key, tensor) one at a time, each file opened once: a caller that drops each tensor holds one."""
         for name, names in self._by_file(keys).items():
             with self._open(name) as handle:
-                tensors.update({key: handle.get_tensor(key) for key in names})
-        return tensors
+                for key in names:
+                    yield key, handle.get_tensor(key)
 
     def _by_file(self, keys: Sequence[str]) -> Dict[str, List[str]]:
         grouped: Dict[str, List[str]] = {}
@@ -142,9 +145,20 @@ class PretrainedWeights:
                 buffers[key].copy_(value)
 
     def flat_weights(self, params: Sequence[nn.Parameter], dtype: torch.dtype) -> torch.Tensor:
-        """One layer's parameters, in this order, as one flat host vector in ``dtype``."""
-        tensors = self.files.read([self.key_of[param] for param in params])
-        return torch.cat([tensors[self.key_of[param]].reshape(-1).to(dtype) for param in params])
+        """One layer's parameters, in this order, as one flat host vector in ``dtype`` (filled one tensor
+        at a time: the layer and one of its tensors in memory)."""
+        place = {}
+        offset = 0
+        for param in params:
+            numel = _full_shape(param).numel()
+            place[self.key_of[param]] = (offset, numel)
+            offset += numel
+        flat = torch.empty(offset, dtype=dtype)
+        for key, tensor in self.files.each(list(place)):
+            start, numel = place[key]
+            flat[start:start + numel].copy_(tensor.reshape(-1))
+            del tensor
+        return flat
 
 
 def leave_meta_device(model: nn.Module, dtype: torch.dtype) -> None:
