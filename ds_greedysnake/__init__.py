@@ -2,6 +2,9 @@
 from .config import GreedySnakeConfig, GreedySnakeConfigError
 from .initialize import initialize
 from .model_split import ModelSplitError
+from .pretrained import PretrainedWeightsError, from_pretrained
+from .weights import WeightsAccessError
 
-__all__ = ["initialize", "GreedySnakeConfig", "GreedySnakeConfigError", "ModelSplitError"]
+__all__ = ["initialize", "from_pretrained", "GreedySnakeConfig", "GreedySnakeConfigError", "ModelSplitError",
+           "PretrainedWeightsError", "WeightsAccessError"]
 __version__ = "0.1.0"
