@@ -97,6 +97,15 @@ def test_a_missing_or_truncated_shard_is_named(tmp_path):
         read_full_layer(str(tmp_path), "t", 0, 10)
 
 
+def test_a_shard_of_another_layer_or_rank_in_its_place_is_named(tmp_path):
+    folder = save(tmp_path, "t", full_layers([8, 8]), 2)
+    saved = open_checkpoint(folder)
+    for wrong in ("layer_1.rank0.safetensors", "layer_0.rank1.safetensors"):
+        os.replace(os.path.join(folder, wrong), os.path.join(folder, "layer_0.rank0.safetensors"))
+        with pytest.raises(CheckpointError, match=re.escape(f"shard {folder}/layer_0.rank0.safetensors holds")):
+            saved.check_layer(0, 8, 0, 8)
+
+
 def test_a_state_file_with_a_foreign_pickle_is_refused_and_runs_nothing(tmp_path):
     marker = tmp_path / "created_by_unpickling"
     folder = save(tmp_path, "t", full_layers([4]), 1,
