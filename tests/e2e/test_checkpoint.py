@@ -224,6 +224,20 @@ def test_a_missing_or_truncated_shard_is_named_and_nothing_is_loaded(tmp_path, e
     assert_same_snapshot(snapshot(engine), before)
 
 
+def test_a_shard_missing_for_one_rank_stops_every_rank_before_loading(tmp_path, saved_on_two_ranks):
+    """Rank 0 of 2 needs only rank 0's shards: it must not load alone while rank 1 cannot."""
+    from test_data_parallel import launch
+    checkpoints = tmp_path / "checkpoints"
+    shutil.copytree(saved_on_two_ranks, checkpoints)
+    shard = checkpoints / "step2" / "layer_1.rank1.safetensors"
+    shard.unlink()
+    (first_code, first_output), (second_code, second_output) = launch(
+        tmp_path, 2, 2, 1, "damaged", extra=["--warmup-lr", "--load", str(checkpoints)], expect_success=False)
+    assert first_code != 0 and second_code != 0
+    assert f"shard {shard} is missing" in second_output
+    assert "cannot be loaded by rank(s) [1]" in first_output and "nothing was loaded on any rank" in first_output
+
+
 def test_save_total_limit_keeps_the_last_checkpoints(tmp_path, engine_and_batches):
     engine, _ = engine_and_batches
     for tag in ("a", "b", "c"):
