@@ -190,15 +190,6 @@ def _agreed(parallel, prepare: Callable):
     return result
 
 
-def read_full_layer(load_dir: str, tag: str, index: int, numel: int) -> LayerState:
-    """Layer ``index``'s full, unsharded fp32 master weights and Adam moments (its first ``numel``
-    elements), gathered from every saved rank's shard of checkpoint ``<load_dir>/<tag>`` (tag None:
-    the one ``latest`` names). No pickled code runs; host memory: 3 x numel fp32."""
-    saved = open_checkpoint(os.path.join(load_dir, resolve_tag(load_dir, tag)))
-    saved.check_layer(index, numel, 0, numel)
-    return saved.read_range(index, numel, 0, numel)
-
-
 def remove_old_checkpoints(save_dir: str, total_limit: int, keep: Sequence[str] = ()) -> List[str]:
     """Keep the ``total_limit`` most recently saved format-2 checkpoints in ``save_dir``, and those in
     ``keep`` and the one ``latest`` names whatever their age; remove the others, each renamed out of
@@ -238,3 +229,12 @@ def _remove_folder(path: Optional[str], retired: str) -> None:
     except OSError as error:
         logger.warning(f"save_total_limit: could not remove {path or retired} ({error}); the new checkpoint is "
                        "saved: remove the old one by hand")
+
+
+def read_full_layer(load_dir: str, tag: str, index: int, numel: int) -> LayerState:
+    """Layer ``index``'s full, unsharded fp32 master weights and Adam moments (its first ``numel``
+    elements), gathered from every saved rank's shard of checkpoint ``<load_dir>/<tag>`` (tag None:
+    the one ``latest`` names). No pickled code runs; host memory: 3 x numel fp32."""
+    saved = open_checkpoint(os.path.join(load_dir, resolve_tag(load_dir, tag)))
+    saved.check_layer(index, numel, 0, numel)
+    return saved.read_range(index, numel, 0, numel)
