@@ -8,7 +8,9 @@ setup(
     python_requires=">=3.10",
     # DeepSpeed is pinned: deepspeed_compat.py relies on private pieces checked against this release.
     # transformers is pinned: ds_greedysnake/models/hf.py's split was checked against this release.
-    # safetensors: Hugging Face checkpoints in (pretrained.py) and out (export.py), a layer at a time.
-    install_requires=["deepspeed==0.19.8", "torch>=2.4", "numpy", "pytest", "matplotlib", "scipy>=1.10",
+    # safetensors: Hugging Face checkpoints in (pretrained.py) and out (export.py), a layer at a time, and
+    # greedysnake's own checkpoints. torch 2.5: torch.serialization.safe_globals and
+    # get_unsafe_globals_in_checkpoint (checkpoint_format.py).
+    install_requires=["deepspeed==0.19.8", "torch>=2.5", "numpy", "pytest", "matplotlib", "scipy>=1.10",
                       "transformers==5.24.0", "tqdm", "safetensors"],
 )

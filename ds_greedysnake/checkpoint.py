@@ -1,33 +1,31 @@
-"""Checkpoints of SSD-resident training state, written to a temporary folder and published atomically.
+"""Checkpoints of SSD-resident training state: written to a temporary folder and published atomically,
+read back safely (no pickled code runs) by any number of ranks.
 
-Layout of ``<save_dir>/<tag>/``: one ``layer_<i>.rank<r>.pt`` per layer (fp32 master weights and
-Adam moments; the low-precision weights are their cast), and ``state.rank<r>.pt`` with the step
-counts, learning-rate scheduler, optimizer hyperparameters and the client state. Everything is
-written under ``<save_dir>/.tmp.<tag>`` (every rank its own files), fsynced, then renamed to
-``<tag>`` by rank 0 once all ranks are done; the ``latest`` file moves (write, fsync, rename) only
-after that. A process killed at any moment of a save leaves the previous checkpoint and ``latest``
-as they were.
+What each file holds is in checkpoint_format.py. Every rank writes its shard of every layer and rank 0
+the manifest and the state, all under ``<save_dir>/.tmp.<tag>``, fsynced; rank 0 renames the folder to
+``<tag>`` once all ranks are done, and the ``latest`` file moves (write, fsync, rename) only after
+that. A process killed at any moment of a save leaves the previous checkpoint and ``latest`` as they
+were. With a ``save_total_limit``, older checkpoints are removed only after that, never the one
+``latest`` names.
+
+Loading checks everything first on every rank (the state loads safely, every shard a rank needs is
+there and whole), agrees across ranks, and only then overwrites a layer: a checkpoint that cannot be
+loaded leaves the engine as it was. W' ranks load a checkpoint of W: each re-cuts its shard of each
+layer from the saved shards, one layer at a time (host memory: one shard's fp32 states).
 """
 import os
 import shutil
-from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-import torch
+from deepspeed.utils import logger
 
-FORMAT_VERSION = 1
+from .checkpoint_format import (FORMAT_VERSION, MANIFEST, STATE, CheckpointError, LayerState, SavedCheckpoint,
+                                encode_layer, encode_manifest, encode_state, open_checkpoint, read_manifest)
+
+__all__ = ["FORMAT_VERSION", "LATEST", "CheckpointError", "LayerState", "CheckpointWriter", "resolve_tag",
+           "write_checkpoint", "restore_checkpoint", "read_full_layer", "remove_old_checkpoints"]
+
 LATEST = "latest"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be written or loaded; the message names the path."""
-
-
-@dataclass
-class LayerState:
-    master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
 
 
 def _fsync_path(path: str) -> None:
@@ -38,13 +36,13 @@ def _fsync_path(path: str) -> None:
         os.close(descriptor)
 
 
-def _save_durably(obj: Any, path: str) -> None:
+def _save_durably(data: bytes, path: str) -> None:
     try:
         with open(path, "wb") as handle:
-            torch.save(obj, handle)
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
-    except (OSError, RuntimeError) as error:
+    except OSError as error:
         written = os.path.getsize(path) if os.path.exists(path) else 0
         raise CheckpointError(f"writing checkpoint file {path} failed after {written} bytes ({error}); "
                               "the previous checkpoint and 'latest' are untouched") from None
@@ -69,13 +67,21 @@ class CheckpointWriter:
             raise CheckpointError(f"writing checkpoint folder {self.staging} failed ({error}); the previous "
                                   "checkpoint and 'latest' are untouched") from None
 
-    def write_layer(self, index: int, state: LayerState) -> None:
-        _save_durably({"master": state.master, "exp_avg": state.exp_avg, "exp_avg_sq": state.exp_avg_sq},
-                      os.path.join(self.staging, f"layer_{index}.rank{self.rank}.pt"))
+    def write_layer(self, index: int, numel: int, world_size: int, state: LayerState) -> None:
+        _save_durably(encode_layer(state, index, self.rank, world_size, numel),
+                      os.path.join(self.staging, f"layer_{index}.rank{self.rank}.safetensors"))
 
     def write_state(self, state: Dict[str, Any]) -> None:
-        _save_durably(dict(state, format_version=FORMAT_VERSION),
-                      os.path.join(self.staging, f"state.rank{self.rank}.pt"))
+        """Rank 0: the optimizer counters, lr scheduler and client state (one copy for every rank)."""
+        data, refused = encode_state(state)
+        if refused:
+            logger.warning(f"checkpoint {self.tag}: the state holds {', '.join(refused)}, which a safe "
+                           "load_checkpoint refuses (pass trust_pickle=True to load it); keep client_state to "
+                           "tensors, numbers, strings, lists and dicts to avoid that")
+        _save_durably(data, os.path.join(self.staging, STATE))
+
+    def write_manifest(self, world_size: int, layer_numels: Sequence[int], counters: Dict[str, Any]) -> None:
+        _save_durably(encode_manifest(world_size, layer_numels, counters), os.path.join(self.staging, MANIFEST))
 
     def publish(self, save_latest: bool) -> str:
         _fsync_path(self.staging)
@@ -105,7 +111,7 @@ class CheckpointWriter:
 
 def resolve_tag(load_dir: str, tag: Optional[str]) -> str:
     if tag is not None:
-        return tag
+        return str(tag)
     pointer = os.path.join(load_dir, LATEST)
     if not os.path.isfile(pointer):
         raise CheckpointError(f"no tag given and no '{LATEST}' file in {load_dir}: pass tag= or save a checkpoint first")
@@ -113,65 +119,122 @@ def resolve_tag(load_dir: str, tag: Optional[str]) -> str:
         return handle.read().strip()
 
 
-class CheckpointReader:
+def write_checkpoint(save_dir: str, tag: str, layers, optimizer, parallel, counters: Dict[str, Any],
+                     state: Dict[str, Any], save_latest: bool, total_limit: Optional[int]) -> str:
+    """Collective. Every rank writes its shard of every layer (``optimizer.read_layer_state``); rank 0
+    writes ``state`` and the manifest (``counters``: JSON values), publishes the folder, moves
+    ``latest`` and removes the checkpoints beyond ``total_limit``."""
+    writer = CheckpointWriter(save_dir, tag, parallel.rank)
+    publisher = parallel.rank == 0
+    if publisher:
+        writer.prepare()
+    parallel.barrier()
+    try:
+        for layer in layers:
+            writer.write_layer(layer.index, layer.numel, parallel.world_size, optimizer.read_layer_state(layer))
+        if publisher:
+            writer.write_state(state)
+            writer.write_manifest(parallel.world_size, [layer.numel for layer in layers], counters)
+        parallel.barrier()
+        if publisher:
+            writer.publish(save_latest)
+    except BaseException:
+        if publisher:
+            writer.abandon()
+        raise
+    if publisher and total_limit is not None:
+        remove_old_checkpoints(save_dir, total_limit, keep=[tag])
+    parallel.barrier()
+    return writer.final
 
-    def __init__(self, load_dir: str, tag: str, rank: int, num_layers: int, world_size: int):
-        self.folder = os.path.join(load_dir, tag)
-        self.rank = rank
-        if not os.path.isdir(self.folder):
-            raise CheckpointError(f"checkpoint {self.folder} does not exist")
-        self.state = self._load(f"state.rank{rank}.pt")
-        if self.state.get("format_version") != FORMAT_VERSION:
-            raise CheckpointError(f"{self.folder} has format version {self.state.get('format_version')}, "
-                                  f"this ds_greedysnake reads {FORMAT_VERSION}")
-        if self.state["world_size"] != world_size:
-            raise CheckpointError(f"{self.folder} was saved by {self.state['world_size']} ranks and is loaded by "
-                                  f"{world_size}: each rank stores its own shard; resume with the same number of ranks")
-        if self.state["num_layers"] != num_layers:
-            raise CheckpointError(f"{self.folder} holds {self.state['num_layers']} layers, the model has {num_layers}")
 
-    def read_layer(self, index: int, numel: int) -> LayerState:
-        saved = self._load(f"layer_{index}.rank{self.rank}.pt")
-        state = LayerState(saved["master"], saved["exp_avg"], saved["exp_avg_sq"])
-        if state.master.numel() != numel:
-            raise CheckpointError(f"layer {index} in {self.folder} has {state.master.numel()} parameters, "
-                                  f"the model's has {numel}")
-        return state
+def restore_checkpoint(load_dir: str, tag: Optional[str], layers, optimizer, parallel, with_moments: bool,
+                       trust_pickle: bool = False) -> Tuple[str, Dict[str, Any]]:
+    """Collective. Overwrite every layer's committed states with this rank's shard of the checkpoint
+    (re-cut when it was saved by another number of ranks); return the folder and the saved state
+    (global_steps, global_samples, skipped_steps, optimizer, lr_scheduler, client_state), which the
+    caller applies. Nothing is overwritten unless every rank found everything it needs."""
+    folder, saved, state = _agreed(parallel, lambda: _open_and_check(load_dir, tag, layers, trust_pickle))
+    for layer in layers:
+        start = layer.layout.shard_start
+        optimizer.restore_layer(layer, saved.read_range(layer.index, layer.numel, start, start + layer.shard_numel),
+                                with_moments)
+    return folder, state
 
-    def _load(self, name: str) -> Dict[str, Any]:
-        path = os.path.join(self.folder, name)
+
+def _open_and_check(load_dir: str, tag: Optional[str], layers,
+                    trust_pickle: bool) -> Tuple[str, SavedCheckpoint, Dict[str, Any]]:
+    folder = os.path.join(load_dir, resolve_tag(load_dir, tag))
+    saved = open_checkpoint(folder, trust_pickle)
+    if saved.num_layers != len(layers):
+        raise CheckpointError(f"{folder} holds {saved.num_layers} layers, the model has {len(layers)}")
+    state = saved.load_state()
+    for layer in layers:
+        start = layer.layout.shard_start
+        saved.check_layer(layer.index, layer.numel, start, start + layer.shard_numel)
+    return folder, saved, state
+
+
+def _agreed(parallel, prepare: Callable):
+    """``prepare()`` on every rank; unless it succeeded on all of them, raise on all of them."""
+    try:
+        result, failure = prepare(), None
+    except Exception as error:  # a bug as much as a bad file: the other ranks must not go on alone
+        result, failure = None, error
+    failed = parallel.failed_ranks(failure is not None)
+    if failure is not None:
+        raise failure
+    if failed:
+        raise CheckpointError(f"the checkpoint cannot be loaded by rank(s) {failed} (their error names the file); "
+                              "nothing was loaded on any rank")
+    return result
+
+
+def remove_old_checkpoints(save_dir: str, total_limit: int, keep: Sequence[str] = ()) -> List[str]:
+    """Keep the ``total_limit`` most recently saved format-2 checkpoints in ``save_dir``, and those in
+    ``keep`` and the one ``latest`` names whatever their age; remove the others, each renamed out of
+    sight first (a kill mid-removal leaves no half checkpoint under its tag). Folders without a format-2
+    manifest are neither counted nor touched. Returns the removed tags."""
+    protected = set(keep)
+    pointer = os.path.join(save_dir, LATEST)
+    if os.path.isfile(pointer):
+        with open(pointer) as handle:
+            protected.add(handle.read().strip())
+    saved, leftovers = [], []
+    for name in os.listdir(save_dir):
+        if name.startswith(".old."):
+            leftovers.append(name)  # moved aside by a removal or replacement that was killed
+        if name.startswith("."):
+            continue
         try:
-            return torch.load(path, map_location="cpu", weights_only=False)
-        except (OSError, RuntimeError, EOFError) as error:
-            raise CheckpointError(f"cannot read {path}: {error}") from None
+            saved.append((float(read_manifest(os.path.join(save_dir, name, MANIFEST))["saved_at"]), name))
+        except (CheckpointError, KeyError, TypeError, ValueError):
+            continue  # not a checkpoint of this format: not ours to remove
+    saved.sort(reverse=True)
+    removed = [name for _, name in saved[total_limit:] if name not in protected]
+    for name in removed:
+        _remove_folder(os.path.join(save_dir, name), os.path.join(save_dir, f".old.{name}.{os.getpid()}"))
+    for name in leftovers:
+        _remove_folder(None, os.path.join(save_dir, name))
+    return removed
 
+
+def _remove_folder(path: Optional[str], retired: str) -> None:
+    """Rename ``path`` (if given) to ``retired``, then remove ``retired``; a failure is logged, not raised:
+    the new checkpoint is saved by then."""
+    try:
+        if path is not None:
+            os.rename(path, retired)
+        shutil.rmtree(retired)
+    except OSError as error:
+        logger.warning(f"save_total_limit: could not remove {path or retired} ({error}); the new checkpoint is "
+                       "saved: remove the old one by hand")
 
 
 def read_full_layer(load_dir: str, tag: str, index: int, numel: int) -> LayerState:
-    """Layer ``index``'s full fp32 master weights and Adam moments (its first ``numel`` elements),
-    gathered from every saved rank's shard: for tools that read a checkpoint outside training
-    (``python -m ds_greedysnake.export``). Holds one layer at a time."""
-    folder = os.path.join(load_dir, tag)
-    if not os.path.isdir(folder):
-        raise CheckpointError(f"checkpoint {folder} does not exist")
-
-    def load(name: str) -> Dict[str, Any]:
-        path = os.path.join(folder, name)
-        try:
-            # Memory-mapped: what the caller never touches (an export leaves the moments) is never read.
-            return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-        except (OSError, RuntimeError, EOFError) as error:
-            raise CheckpointError(f"cannot read {path}: {error}") from None
-
-    world_size = load("state.rank0.pt")["world_size"]
-    shards = [load(f"layer_{index}.rank{rank}.pt") for rank in range(world_size)]
-    parts = []
-    for key in ("master", "exp_avg", "exp_avg_sq"):
-        pieces = [shard[key].reshape(-1) for shard in shards]
-        full = pieces[0] if world_size == 1 else torch.cat(pieces)
-        # Each rank saved ceil(numel / world_size) elements, the last one zero-padded.
-        if not numel <= full.numel() < numel + world_size:
-            raise CheckpointError(f"layer {index} in {folder} holds {full.numel()} elements over {world_size} "
-                                  f"rank(s), the model's layer has {numel}: not this model's checkpoint")
-        parts.append(full[:numel])
-    return LayerState(*parts)
+    """Layer ``index``'s full, unsharded fp32 master weights and Adam moments (its first ``numel``
+    elements), gathered from every saved rank's shard of checkpoint ``<load_dir>/<tag>`` (tag None:
+    the one ``latest`` names). No pickled code runs; host memory: 3 x numel fp32."""
+    saved = open_checkpoint(os.path.join(load_dir, resolve_tag(load_dir, tag)))
+    saved.check_layer(index, numel, 0, numel)
+    return saved.read_range(index, numel, 0, numel)

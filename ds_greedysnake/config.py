@@ -98,6 +98,14 @@ class GreedySnakeConfig(DeepSpeedConfigModel):
     plan_host_memory_gb: Optional[float] = Field(None, gt=0)
     """With ``auto``: the host-memory budget (GiB) of the plan; default half the machine's memory."""
 
+    save_total_limit: Optional[int] = Field(None, ge=1)
+    """Keep at most this many checkpoints in a ``save_checkpoint`` folder, as Hugging Face's
+    ``save_total_limit`` does: after each save is published and ``latest`` has moved, the oldest
+    checkpoints there beyond this number are removed, never the one ``latest`` names nor the one just
+    saved (so with ``save_latest=False`` saves one more may stay). Only checkpoints of format 2 (this
+    version's) count; other folders are never touched. None keeps them all. Under HF ``Trainer`` use
+    ``TrainingArguments.save_total_limit``: it saves each checkpoint in a folder of its own."""
+
     swap_dir_name: str = "greedysnake"
     """Folder created under ``zero_optimization.offload_param.nvme_path`` for this run's files."""
 

@@ -9,7 +9,7 @@ from deepspeed import comm as dist
 from deepspeed.utils import logger
 
 from .activations import ActivationStore
-from .checkpoint import CheckpointReader, CheckpointWriter, resolve_tag
+from .checkpoint import restore_checkpoint, write_checkpoint
 from .config import GreedySnakeConfig
 from .deepspeed_compat import EngineBase, accelerator_device
 from .executor import Executor, StepResult
@@ -259,47 +259,35 @@ class GreedySnakeEngine(EngineBase):
 
     def save_checkpoint(self, save_dir: str, tag=None, client_state: Optional[dict] = None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False) -> bool:
-        """DeepSpeed's save_checkpoint: every SSD-resident tensor, the counters, the lr scheduler and
-        ``client_state``, published atomically (pending updates are finished first)."""
+        """DeepSpeed's save_checkpoint: every SSD-resident tensor (safetensors, one shard per rank), the
+        counters, the lr scheduler and ``client_state`` (rank 0's), published atomically (pending updates
+        are finished first). With ``greedysnake.save_total_limit``, older checkpoints in ``save_dir`` are
+        removed afterwards, never the one ``latest`` names."""
         self.flush()
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
-        writer = CheckpointWriter(save_dir, tag, self.global_rank)
-        publisher = self.global_rank == 0
-        if publisher:
-            writer.prepare()
-        self.parallel.barrier()
-        try:
-            for layer in self.layers:
-                writer.write_layer(layer.index, self.optimizer.read_layer_state(layer))
-            writer.write_state({
-                "num_layers": len(self.layers), "world_size": self.parallel.world_size,
-                "global_steps": self.global_steps, "global_samples": self.global_samples,
-                "skipped_steps": self.skipped_steps, "optimizer": self.optimizer.counters_state(),
-                "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-                "client_state": client_state or {}, "compute_dtype": str(self.compute_dtype)})
-            self.parallel.barrier()
-            if publisher:
-                writer.publish(save_latest)
-        except BaseException:
-            if publisher:
-                writer.abandon()
-            raise
-        self.parallel.barrier()
+        counters = {"global_steps": self.global_steps, "global_samples": self.global_samples,
+                    "skipped_steps": self.skipped_steps, "compute_dtype": str(self.compute_dtype)}
+        state = {"optimizer": self.optimizer.counters_state(),
+                 "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+                 "client_state": client_state or {}}
+        write_checkpoint(save_dir, tag, self.layers, self.optimizer, self.parallel, counters, state, save_latest,
+                         self._setup.config.save_total_limit)
         return True
 
     def load_checkpoint(self, load_dir: str, tag=None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False, custom_load_fn=None):
-        """DeepSpeed's load_checkpoint; returns ``(path, client_state)``."""
+                        load_module_only: bool = False, custom_load_fn=None, trust_pickle: bool = False):
+        """DeepSpeed's load_checkpoint; returns ``(path, client_state)``. Any number of ranks loads a
+        checkpoint saved by any other number. No pickled code runs: a state file needing anything beyond
+        tensors and plain data is refused naming the file and the type, unless ``trust_pickle=True``
+        (unsafe: the file can run any code; only for checkpoints whose origin you trust). A checkpoint
+        that cannot be loaded (a shard missing or truncated) raises naming it and loads nothing."""
         if custom_load_fn is not None:
             raise ValueError("custom_load_fn is not supported by the greedysnake engine")
         self.flush()
-        tag = resolve_tag(load_dir, tag)
-        reader = CheckpointReader(load_dir, tag, self.global_rank, len(self.layers), self.parallel.world_size)
         with_optimizer = load_optimizer_states and not load_module_only
-        for layer in self.layers:
-            self.optimizer.restore_layer(layer, reader.read_layer(layer.index, layer.shard_numel), with_optimizer)
-        state = reader.state
+        folder, state = restore_checkpoint(load_dir, tag, self.layers, self.optimizer, self.parallel, with_optimizer,
+                                           trust_pickle)
         if not load_module_only:
             self.global_steps, self.global_samples = state["global_steps"], state["global_samples"]
             self.skipped_steps = state["skipped_steps"]
@@ -307,7 +295,7 @@ class GreedySnakeEngine(EngineBase):
                 self.optimizer.load_counters_state(state["optimizer"])
             if load_lr_scheduler_states and self.lr_scheduler is not None and state["lr_scheduler"] is not None:
                 self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        return reader.folder, state["client_state"]
+        return folder, state["client_state"]
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("the greedysnake engine runs whole steps: call engine.train_batch(data_iter), "

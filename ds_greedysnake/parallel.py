@@ -7,7 +7,7 @@ deepspeed.comm (gloo on the CPU accelerator, NCCL on GPUs), and every byte they 
 """
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, List
 
 import torch
 from deepspeed import comm as dist
@@ -80,6 +80,17 @@ class DataParallel:
         self._run("all_reduce", lambda: dist.all_reduce(tensor, group=self.group))
         self.bytes_by_collective["all_reduce"] += tensor.numel() * tensor.element_size()
         return float(tensor[0])
+
+    def failed_ranks(self, failed: bool) -> List[int]:
+        """The ranks that answer ``failed`` (each rank gives its own), known to every rank: lets all of
+        them give up together before any changes anything (loading a checkpoint)."""
+        if self.world_size == 1:
+            return [0] if failed else []
+        flags = torch.zeros(self.world_size, dtype=torch.int32, device=self.device)
+        flags[self.rank] = int(failed)
+        self._run("all_reduce", lambda: dist.all_reduce(flags, group=self.group))
+        self.bytes_by_collective["all_reduce"] += flags.numel() * flags.element_size()
+        return [rank for rank, flag in enumerate(flags.tolist()) if flag]
 
     def barrier(self) -> None:
         if self.world_size > 1:

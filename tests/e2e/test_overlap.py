@@ -5,6 +5,7 @@ import signal
 import pytest
 import torch
 
+from ds_greedysnake.checkpoint import read_full_layer
 from greedysnake_run import make_engine, run_greedysnake
 from helpers import data, tiny_gpt_config
 
@@ -79,8 +80,8 @@ def test_checkpoint_right_after_train_batch_holds_updated_weights(tmp_path):
     for _ in range(2):
         synchronous.train_batch(batches)
     for layer in synchronous.layers:
-        saved = torch.load(str(tmp_path / "checkpoints" / "right_after" / f"layer_{layer.index}.rank0.pt"))
-        assert torch.equal(saved["master"], synchronous.optimizer.read_master(layer)), layer.index
+        saved = read_full_layer(str(tmp_path / "checkpoints"), "right_after", layer.index, layer.numel)
+        assert torch.equal(saved.master, synchronous.optimizer.read_master(layer)), layer.index
 
 
 def test_dead_worker_is_reported(tmp_path):

@@ -12,7 +12,6 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from hf_models import FAMILIES, tiny_model  # noqa: E402
-from ds_greedysnake.checkpoint import CheckpointError, read_full_layer  # noqa: E402
 from ds_greedysnake.export import plan_shards, saved_keys, shard_names, write_hf_checkpoint  # noqa: E402
 from ds_greedysnake.model_split import plan_split  # noqa: E402
 from ds_greedysnake.pretrained import PretrainedWeights, PretrainedWeightsError, empty_model  # noqa: E402
@@ -115,23 +114,6 @@ def test_pretrained_folder_errors_name_the_problem(tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(PretrainedWeightsError, match="other shapes.*model.norm.weight"):
         PretrainedWeights(tmp_path, model)
-
-
-def test_read_full_layer_joins_every_rank_shard(tmp_path):
-    folder = tmp_path / "step1"
-    folder.mkdir()
-    full = [torch.arange(7, dtype=torch.float32) + offset for offset in (0, 100, 200)]
-    for rank in range(2):  # 7 elements over 2 ranks: 4 each, the last one padded with a zero
-        torch.save({"world_size": 2}, folder / f"state.rank{rank}.pt")
-        shards = [torch.cat([part, torch.zeros(1)])[4 * rank:4 * rank + 4] for part in full]
-        torch.save(dict(zip(("master", "exp_avg", "exp_avg_sq"), shards)), folder / f"layer_0.rank{rank}.pt")
-    state = read_full_layer(str(tmp_path), "step1", 0, 7)
-    for got, expected in zip((state.master, state.exp_avg, state.exp_avg_sq), full):
-        assert torch.equal(got, expected)
-    with pytest.raises(CheckpointError, match="not this model's checkpoint"):
-        read_full_layer(str(tmp_path), "step1", 0, 5)
-    with pytest.raises(CheckpointError, match="does not exist"):
-        read_full_layer(str(tmp_path), "step9", 0, 7)
 
 
 def test_initialize_refuses_meta_weights_without_a_folder_and_a_wrong_folder(tmp_path):
