@@ -183,7 +183,7 @@ class GreedySnakeEngine(EngineBase):
         names = {param: name for name, param in self.module.named_parameters()}
         result = {}
         for layer in self.layers:
-            flat = self.parallel.gather(self.optimizer.read_master(layer), layer.layout)
+            flat = self.parallel.gather_to_host(self.optimizer.read_master(layer), layer.layout)
             offset = 0
             for param, shape in zip(layer.params, layer.param_shapes):
                 result[names[param]] = flat[offset:offset + shape.numel()].view(shape).clone()
