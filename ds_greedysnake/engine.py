@@ -10,7 +10,7 @@ from deepspeed.utils import logger
 
 from .activations import ActivationStore
 from .checkpoint import CheckpointReader, CheckpointWriter, resolve_tag
-from .config import GreedySnakeConfig
+from .config import GreedySnakeConfig, worker_threads_for
 from .deepspeed_compat import EngineBase, accelerator_device
 from .executor import Executor, StepResult
 from .layer import BufferPool, LayerOwner
@@ -99,7 +99,7 @@ class GreedySnakeEngine(EngineBase):
         overlap = setup.config.optimizer_overlap
         clipping = float(self.gradient_clipping() or 0.0)
         optimizer = LayerwiseAdam(self.layers, optimizer_store, self.ds_config_dict, clipping, overlap,
-                                  setup.config.optimizer_worker_threads, self.parallel,
+                                  worker_threads_for(setup.config, device.type), self.parallel,
                                   int(setup.config.gradient_host_memory_mb * 2**20),
                                   int(setup.config.optimizer_host_memory_mb * 2**20),
                                   layers_updated_after_decision(num_layers, overlap, deferred, clipping > 0),
