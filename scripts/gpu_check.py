@@ -10,9 +10,11 @@ tests/e2e/test_parity.py. profile: one training step under torch.profiler after 
 of each layer's host-to-device parameter copy ran under compute (scripts/gpu_check_profile.py).
 """
 import argparse
+import atexit
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -49,9 +51,12 @@ def _write(path: str, result: dict) -> None:
 
 
 def _scratch(args) -> str:
+    """A fresh folder on the SSD for one stage's swap files, removed when the process exits."""
     root = args.nvme_path or os.path.join(REPO, ".nvme_swap", "gpu_check")
     os.makedirs(root, exist_ok=True)
-    return tempfile.mkdtemp(prefix="gpu_check_", dir=root)
+    folder = tempfile.mkdtemp(prefix="gpu_check_", dir=root)
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
 
 
 def parity(args) -> None:
@@ -111,6 +116,7 @@ def profile(args) -> None:
         engine.train_batch(batches)
         accelerator.synchronize()
         step_seconds = time.perf_counter() - step_started
+    os.makedirs(os.path.dirname(os.path.abspath(args.trace)), exist_ok=True)
     prof.export_chrome_trace(args.trace)
     with open(args.trace) as handle:
         trace = json.load(handle)
