@@ -3,12 +3,19 @@
 Forward stores the input of every layer for every micro-batch; backward takes each one once to
 recompute that layer. The most recent checkpoint also stays on the device: with the snake order
 the micro-batch that ends one layer starts the next, so its activation never has to come back.
+
+Off the CPU accelerator, checkpoints leave the device on a transfer stream (``transfers.py``) into
+registered host memory kept per (layer, micro-batch) across steps, and come back the same way; device
+memory holds the latest checkpoint and the copies in flight (at most ``Transfers.max_pending_to_host``),
+whatever the number of micro-batches. On the CPU accelerator the host tier keeps the tensor itself, as
+before.
 """
 from typing import Dict, Optional, Tuple
 
 import torch
 
 from .ssd import Region, SsdStore
+from .transfers import COMPLETE, Guard, Transfers
 
 Key = Tuple[int, int]  # (layer, micro_batch)
 
@@ -20,7 +27,8 @@ class _Spilled:
 
 class ActivationStore:
 
-    def __init__(self, store: SsdStore, host_budget_bytes: int, device: torch.device):
+    def __init__(self, store: SsdStore, host_budget_bytes: int, device: torch.device,
+                 transfers: Optional[Transfers] = None):
         self._store = store
         self._host_budget_bytes = host_budget_bytes
         self._device = device
@@ -29,6 +37,9 @@ class ActivationStore:
         self._regions: Dict[Key, Region] = {}  # kept across steps: the same shapes come back
         self._staging: Optional[torch.Tensor] = None
         self._on_device: Optional[Tuple[Key, torch.Tensor]] = None
+        self._transfers = transfers or Transfers.for_device(device)
+        self._host_slots: Dict[Key, torch.Tensor] = {}  # registered host memory per key, kept across steps
+        self._staging_guard: Guard = COMPLETE  # the device copy last made from the staging buffer
         self.host_bytes = 0
         self.peak_host_bytes = 0
 
@@ -39,7 +50,7 @@ class ActivationStore:
         self._on_device = (key, tensor)
         num_bytes = tensor.numel() * tensor.element_size()
         if self.host_bytes + num_bytes <= self._host_budget_bytes:
-            self._on_host[key] = tensor.to("cpu")
+            self._on_host[key] = self._to_host(key, tensor)
             self.host_bytes += num_bytes
             self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
         else:
@@ -54,7 +65,7 @@ class ActivationStore:
         if key in self._on_host:
             tensor = self._on_host.pop(key)
             self.host_bytes -= tensor.numel() * tensor.element_size()
-            return device_copy if device_copy is not None else tensor.to(self._device)
+            return device_copy if device_copy is not None else self._transfers.to_device(tensor)[0]
         spilled = self._spilled.pop(key)
         if device_copy is not None:
             return device_copy
@@ -66,7 +77,7 @@ class ActivationStore:
         if self._on_device is not None and self._on_device[0] == key:
             return self._on_device[1]
         if key in self._on_host:
-            return self._on_host[key].to(self._device)
+            return self._transfers.to_device(self._on_host[key])[0]
         return self._read_spilled(self._spilled[key])
 
     def clear(self) -> None:
@@ -75,13 +86,23 @@ class ActivationStore:
         self._on_device = None
         self.host_bytes = 0
 
+    def _to_host(self, key: Key, tensor: torch.Tensor) -> torch.Tensor:
+        # A host slot is rewritten by a later copy on the same stream as the copies reading it: in order.
+        slot = self._host_slots.get(key)
+        if slot is not None and (slot.shape != tensor.shape or slot.dtype != tensor.dtype):
+            slot = None
+        host, _ = self._transfers.host_copy(tensor, slot)
+        if not self._transfers.device_is_host:
+            self._host_slots[key] = host
+        return host
+
     def _spill(self, key: Key, tensor: torch.Tensor, num_bytes: int) -> None:
         region = self._regions.get(key)
         if region is None or region.payload_bytes < num_bytes:
             region = self._store.create_region(f"act_l{key[0]}_m{key[1]}", num_bytes, "activation")
             self._regions[key] = region
         staging = self._staging_for(region)
-        staging[:num_bytes].view(tensor.dtype).copy_(tensor.reshape(-1))
+        self._transfers.to_host(tensor.reshape(-1), staging[:num_bytes].view(tensor.dtype)).wait()
         self._store.write(region, staging)
         self._spilled[key] = _Spilled(region, tensor.shape, tensor.dtype)
 
@@ -90,11 +111,55 @@ class ActivationStore:
         self._store.read(spilled.region, staging)
         numel = spilled.shape.numel()
         flat = staging[:numel * torch.empty(0, dtype=spilled.dtype).element_size()].view(spilled.dtype)
-        return flat.view(spilled.shape).to(self._device, copy=True)
+        if self._transfers.device_is_host:
+            return flat.view(spilled.shape).clone()  # the staging buffer is reused
+        on_device, self._staging_guard = self._transfers.to_device(flat.view(spilled.shape))
+        return on_device
 
     def _staging_for(self, region: Region) -> torch.Tensor:
+        """The staging buffer, once the device copy last made from it completed (it is overwritten next)."""
+        self._staging_guard.wait()
         if self._staging is None or self._staging.numel() < region.padded_bytes:
             if self._staging is not None:
                 self._store.free_buffer(self._staging)
             self._staging = self._store.buffer(region.padded_bytes)
         return self._staging
+
+
+class InputGradients:
+    """Backward's gradient of each micro-batch's layer input, from the layer that produced it to the one
+    below. The latest stays on the device (the snake: that micro-batch starts the layer below); the others
+    wait in registered host memory, kept per micro-batch across layers and steps. Device memory then
+    holds the latest and the copies in flight, whatever the number of micro-batches. On the CPU
+    accelerator every gradient stays where it is, as before."""
+
+    def __init__(self, device: torch.device, transfers: Optional[Transfers] = None):
+        self._transfers = transfers or Transfers.for_device(device)
+        self._latest: Optional[Tuple[int, torch.Tensor]] = None
+        self._parked: Dict[int, torch.Tensor] = {}
+        self._host_slots: Dict[int, torch.Tensor] = {}
+
+    def put(self, micro_batch: int, gradient: torch.Tensor) -> None:
+        if self._latest is not None:
+            self._park(*self._latest)
+        self._latest = (micro_batch, gradient)
+
+    def take(self, micro_batch: int) -> torch.Tensor:
+        if self._latest is not None and self._latest[0] == micro_batch:
+            gradient, self._latest = self._latest[1], None
+            return gradient
+        return self._transfers.to_device(self._parked.pop(micro_batch))[0]
+
+    def clear(self) -> None:
+        self._latest = None
+        self._parked.clear()
+
+    def _park(self, micro_batch: int, gradient: torch.Tensor) -> None:
+        # Its slot's last reader (a copy to the device) is on the same stream as this copy: in order.
+        slot = self._host_slots.get(micro_batch)
+        if slot is not None and (slot.shape != gradient.shape or slot.dtype != gradient.dtype):
+            slot = None
+        host, _ = self._transfers.host_copy(gradient, slot)
+        if not self._transfers.device_is_host:
+            self._host_slots[micro_batch] = host
+        self._parked[micro_batch] = host

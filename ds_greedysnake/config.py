@@ -79,8 +79,12 @@ class GreedySnakeConfig(DeepSpeedConfigModel):
     at least one. With gradient_clipping on, every layer is deferred, since the clip coefficient
     needs every gradient first."""
 
-    optimizer_worker_threads: int = Field(1, ge=1)
-    """CPU threads of the optimizer worker process (the training process keeps the rest)."""
+    optimizer_worker_threads: Optional[int] = Field(None, ge=1)
+    """CPU threads of the optimizer worker process (the training process keeps the rest). Default: on
+    DeepSpeed's CPU accelerator 1, since training computes on the same cores; with a GPU, the cores this
+    rank may use (the process's CPU affinity divided by LOCAL_SIZE, the ranks on this machine) minus 2,
+    at least 1: one core for the training process launching kernels, one for the aio threads, the
+    rest for CPU Adam, which otherwise binds the step (``worker_threads_for``)."""
 
     collective_timeout_seconds: float = Field(600.0, gt=0)
     """How long a rank waits in a collective for the others before failing with an error (used when
@@ -108,6 +112,17 @@ class GreedySnakeConfig(DeepSpeedConfigModel):
 
     swap_dir_name: str = "greedysnake"
     """Folder created under ``zero_optimization.offload_param.nvme_path`` for this run's files."""
+
+
+def worker_threads_for(config: GreedySnakeConfig, device_type: str) -> int:
+    """``optimizer_worker_threads``, or its default for the accelerator (see the field)."""
+    if config.optimizer_worker_threads is not None:
+        return config.optimizer_worker_threads
+    if device_type == "cpu":
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    ranks_here = max(1, int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    return max(1, cores // ranks_here - 2)
 
 
 def parse_greedysnake_config(ds_config: Dict[str, Any]) -> GreedySnakeConfig:

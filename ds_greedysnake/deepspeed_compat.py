@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
 import deepspeed
+from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 from deepspeed.ops.op_builder import AsyncIOBuilder
@@ -22,6 +23,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.swap_tensor import partitioned_param_swapper
 from deepspeed.runtime.swap_tensor.aio_config import get_aio_config
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+from deepspeed.utils import groups
 
 CHECKED_DEEPSPEED_VERSION = "0.19.8"
 
@@ -30,6 +32,7 @@ _RELIED_ON = [
     (DeepSpeedEngine, "_configure_optimizer"),
     (DeepSpeedEngine, "_configure_lr_scheduler"),
     (DeepSpeedEngine, "_broadcast_model"),
+    (groups, "_get_broadcast_src_rank"),
     (DeepSpeedEngine, "_config"),
     (DeepSpeedCPUAdam, "ds_opt_adam"),
     (DeepSpeedCPUAdam, "opt_id"),
@@ -76,6 +79,27 @@ class EngineBase(DeepSpeedEngine):
     def __init__(self, **kwargs):
         super().__init__(dont_change_device=True, **kwargs)
 
+    def _broadcast_model(self):
+        """Rank 0's weights to every rank, as DeepSpeed's constructor does for a model not built under
+        zero.Init (which makes every rank start from the same model whatever its seed).
+
+        The model stays on the host here (``dont_change_device``), and NCCL has no host backend: each
+        parameter travels through the device in pieces of at most ``BROADCAST_PIECE_BYTES`` (device memory
+        stays bounded by one piece, whatever the model) and comes back. On the CPU accelerator the device
+        is the host, and this is DeepSpeed's own broadcast. (DeepSpeed's sends MoE experts over their own
+        groups; greedysnake splits no MoE model.)"""
+        if self.dist_backend is None or self.weights_come_from_files:
+            return  # from files: the module holds empty placeholders, every rank reads the same files
+        device = accelerator_device()
+        if device.type == "cpu":
+            super()._broadcast_model()
+            return
+        source = groups._get_broadcast_src_rank()
+        for param in self.module.parameters():
+            if is_zero3_parameter(param) and param.ds_status is not ZeroParamStatus.AVAILABLE:
+                continue  # partitioned by zero.Init: each rank holds its own part
+            broadcast_through_device(param.data, device, source, self.seq_data_parallel_group)
+
     def _configure_optimizer(self, client_optimizer, model_parameters):
         if client_optimizer is not None:
             raise ValueError("greedysnake builds its own layer-wise CPU Adam from the ds_config \"optimizer\" "
@@ -90,14 +114,25 @@ class EngineBase(DeepSpeedEngine):
     # (initialize(pretrained=...)): the module then holds empty placeholders, nothing to broadcast.
     weights_come_from_files = False
 
-    def _broadcast_model(self):
-        if self.weights_come_from_files:
-            return
-        super()._broadcast_model()
-
     @property
     def ds_config_dict(self) -> Dict[str, Any]:
         return self._config._param_dict
+
+
+BROADCAST_PIECE_BYTES = 64 << 20
+
+
+def broadcast_through_device(host: torch.Tensor, device: torch.device, source: int, group) -> None:
+    """Broadcast a host tensor from rank ``source`` through ``device`` (collectives of NCCL take device
+    tensors only), ``BROADCAST_PIECE_BYTES`` at a time, into ``host`` in place on the other ranks."""
+    flat = host.view(-1).view(torch.uint8)  # a view: filled in place
+    receiving = dist.get_rank() != source
+    for start in range(0, flat.numel(), BROADCAST_PIECE_BYTES):
+        piece = flat[start:start + BROADCAST_PIECE_BYTES]
+        on_device = piece.to(device, copy=True)
+        dist.broadcast(on_device, source, group=group)
+        if receiving:
+            piece.copy_(on_device)
 
 
 # ----------------------------------------------------------------------------- models built under zero.Init
@@ -283,7 +318,9 @@ def accelerator_device() -> torch.device:
 
 def new_locked_buffer(handle, num_bytes: int) -> Optional[torch.Tensor]:
     """A page-aligned uint8 host buffer locked by ``handle``'s pinned-tensor manager, or None where the
-    accelerator pins memory itself (use a pinned buffer there: faster device copies).
+    accelerator pins memory itself: there, use ``transfers.host_buffer`` (registered with the accelerator
+    at its exact size, so that device copies from it run asynchronously, and pinned as far as aio is
+    concerned, which then reads into it directly).
 
     On the CPU accelerator torch cannot pin, and DeepSpeed's aio op then copies every transfer through
     a freshly allocated and mlocked bounce buffer: measured here, a 256 MiB read cost 0.87 s of CPU
@@ -312,10 +349,3 @@ def _check_memlock(num_bytes: int) -> None:
     raise MemoryError(f"greedysnake needs to lock {num_bytes} bytes of host memory for SSD transfers, but the "
                       f"memlock limit is {soft} bytes: raise it (ulimit -l unlimited, or --ulimit memlock=-1 in "
                       "docker)")
-
-
-def pin_if_possible(tensor: torch.Tensor) -> torch.Tensor:
-    accelerator = get_accelerator()
-    if accelerator.device_name() == "cpu":
-        return tensor  # the CPU accelerator has nothing to pin for
-    return accelerator.pin_memory(tensor)

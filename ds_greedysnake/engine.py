@@ -10,7 +10,7 @@ from deepspeed.utils import logger
 
 from .activations import ActivationStore
 from .checkpoint import restore_checkpoint, write_checkpoint
-from .config import GreedySnakeConfig
+from .config import GreedySnakeConfig, worker_threads_for
 from .deepspeed_compat import EngineBase, accelerator_device
 from .executor import Executor, StepResult
 from .export import write_hf_checkpoint
@@ -106,7 +106,7 @@ class GreedySnakeEngine(EngineBase):
         overlap = setup.config.optimizer_overlap
         clipping = float(self.gradient_clipping() or 0.0)
         optimizer = LayerwiseAdam(self.layers, optimizer_store, self.ds_config_dict, clipping, overlap,
-                                  setup.config.optimizer_worker_threads, self.parallel,
+                                  worker_threads_for(setup.config, device.type), self.parallel,
                                   int(setup.config.gradient_host_memory_mb * 2**20),
                                   int(setup.config.optimizer_host_memory_mb * 2**20),
                                   layers_updated_after_decision(num_layers, overlap, deferred, clipping > 0),
@@ -199,7 +199,7 @@ class GreedySnakeEngine(EngineBase):
         names = {param: name for name, param in self.module.named_parameters()}
         result = {}
         for layer in self.layers:
-            flat = self.parallel.gather(self.optimizer.read_master(layer), layer.layout)
+            flat = self._read_full_master(layer.index)
             offset = 0
             for param, shape in zip(layer.params, layer.param_shapes):
                 result[names[param]] = flat[offset:offset + shape.numel()].view(shape).clone()
@@ -220,9 +220,7 @@ class GreedySnakeEngine(EngineBase):
     def _read_full_master(self, index: int) -> torch.Tensor:
         layer = self.layers[index]
         shard = self.optimizer.read_master(layer)  # pending updates first
-        if self.parallel.world_size > 1:
-            shard = self.parallel.gather(shard.to(self.parallel.device), layer.layout).cpu()  # NCCL: device tensors
-        return shard[:layer.numel]
+        return self.parallel.gather_to_host(shard, layer.layout)[:layer.numel]
 
     def get_global_grad_norm(self) -> Optional[float]:
         """The gradient norm of the last step (before clipping); None before the first."""

@@ -8,7 +8,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.profiler import record_function
 
-from .activations import ActivationStore
+from .activations import ActivationStore, InputGradients
 from .layer import LayerOwner
 from .optimizer import LayerwiseAdam, StepDecision
 from .rng import RngState, capture_rng_state, replaying
@@ -43,6 +43,8 @@ class Executor:
         self.deferred_layers = layers_updated_after_decision(len(layers), overlap, deferred_layers,
                                                              optimizer.needs_every_gradient_first)
         self._schedules: Dict[int, List[Op]] = {}
+        # Between backward's layers, per micro-batch; the latest on the device, the others in host memory.
+        self._input_grads = InputGradients(layers[0].device)
         # The random state each (layer, micro-batch) forward started from: its recompute replays it (dropout).
         self._rng_states: Dict[Tuple[int, int], RngState] = {}
 
@@ -56,14 +58,14 @@ class Executor:
     def run_step(self, micro_batches: Sequence[MicroBatch]) -> StepResult:
         num_micro_batches = len(micro_batches)
         losses: Dict[int, torch.Tensor] = {}
-        output_grads: Dict[int, torch.Tensor] = {}
         seconds: Dict[str, float] = defaultdict(float)
         try:
-            decision = self._run_schedule(micro_batches, losses, output_grads, seconds)
+            decision = self._run_schedule(micro_batches, losses, self._input_grads, seconds)
         except BaseException:
             self._abandon_step()
             raise
         self.activations.clear()
+        self._input_grads.clear()
         self._rng_states.clear()
         # The next step updates layers in this same order: its first state reads can start now.
         self.optimizer.announce_update_order([op.layer for op in self.schedule(num_micro_batches)
@@ -94,17 +96,27 @@ class Executor:
     @torch.no_grad()
     def evaluate(self, micro_batches: Sequence[MicroBatch]) -> List[float]:
         """Losses of a forward through every layer, vertically, with no gradient and no update.
-        Each layer's fetch waits for its pending update, so the weights are the fully updated ones."""
-        hidden = [inputs for inputs, _ in micro_batches]
+        Each layer's fetch waits for its pending update, so the weights are the fully updated ones.
+        Between layers the hidden states wait in the activation store (host memory, then SSD; the latest
+        on the device), and the last layer's output goes straight into its loss: the device holds one
+        micro-batch's logits, whatever the number of micro-batches."""
+        last = len(self.layers) - 1
+        losses = []
         try:
             for layer in self.layers:
                 layer.fetch()
-                hidden = [layer.module(value) for value in hidden]
+                for index, (inputs, labels) in enumerate(micro_batches):
+                    output = layer.module(inputs if layer.index == 0 else self.activations.take(layer.index, index))
+                    if layer.index == last:
+                        losses.append(self.loss_fn(output, labels).detach())
+                    else:
+                        self.activations.put(layer.index + 1, index, output)
                 layer.release()
         except BaseException:
             self._abandon_step()
             raise
-        return [float(self.loss_fn(output, labels)) for output, (_, labels) in zip(hidden, micro_batches)]
+        self.activations.clear()
+        return [float(loss) for loss in losses]
 
     def _abandon_step(self) -> None:
         """After a failure mid-step: no SSD read left in flight (an aio handle destroyed with pending
@@ -117,6 +129,7 @@ class Executor:
             layer.discard_grads()
         self.optimizer.abandon_step()
         self.activations.clear()
+        self._input_grads.clear()
         self._rng_states.clear()
 
     def _run(self, op: Op, micro_batches, losses, output_grads) -> None:
@@ -134,6 +147,10 @@ class Executor:
         elif op.kind == OpKind.BACKWARD:
             self._backward(layer, op.micro_batch, micro_batches, output_grads)
         elif op.kind == OpKind.FLUSH_GRADS:
+            if layer.index > 0:
+                # Handing the gradient over waits for this layer's backward on the device: the copy of the
+                # layer backward fetches next starts first, so that it overlaps that compute.
+                self.layers[layer.index - 1].stage()
             self.optimizer.receive_gradient(layer, layer.take_grads())
         else:
             raise AssertionError(f"unknown op {op}")
@@ -169,10 +186,10 @@ class Executor:
 
     def _backward(self, layer, micro_batch, micro_batches, output_grads) -> None:
         layer_input, output = self._recompute(layer, micro_batch, micro_batches)
-        torch.autograd.backward(output, output_grads.pop(micro_batch))
+        torch.autograd.backward(output, output_grads.take(micro_batch))
         self._finish_backward(layer, micro_batch, layer_input, output_grads)
 
     def _finish_backward(self, layer, micro_batch, layer_input, output_grads) -> None:
         layer.accumulate_grads(self.grad_accumulate_dtype)
         if layer.index > 0:
-            output_grads[micro_batch] = layer_input.grad
+            output_grads.put(micro_batch, layer_input.grad)

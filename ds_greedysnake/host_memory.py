@@ -23,8 +23,10 @@ import os
 from typing import Dict, List, Optional, Sequence
 
 import torch
+from deepspeed.utils import logger
 
 from .ssd import ALIGNMENT, round_up
+from .transfers import register_host_memory
 
 GRADIENT_BYTES_PER_PARAM = 4          # the fp32 gradient
 OPTIMIZER_STATE_BYTES_PER_PARAM = 12  # fp32 master, exp_avg, exp_avg_sq
@@ -39,12 +41,25 @@ class HostArena:
         self.fd = fd
         self._mapping = mmap.mmap(fd, total_bytes) if fd is not None and total_bytes else None
         self._tensor = torch.frombuffer(self._mapping, dtype=torch.uint8) if self._mapping is not None else None
+        self._unregister = None
 
     @classmethod
     def for_gradients(cls, shard_numels: List[int], budget_bytes: int) -> "HostArena":
         """Gradient slots for the last layers first, while they fit the budget."""
         order = reversed(range(len(shard_numels)))
-        return cls._create("greedysnake_gradients", order, shard_numels, GRADIENT_BYTES_PER_PARAM, budget_bytes)
+        arena = cls._create("greedysnake_gradients", order, shard_numels, GRADIENT_BYTES_PER_PARAM, budget_bytes)
+        arena.register_with_accelerator()
+        return arena
+
+    def register_with_accelerator(self) -> None:
+        """Pin the mapping for the device's copy engine (a no-op on the CPU accelerator): gradients are
+        copied into it from the device asynchronously. Only the training process registers it."""
+        if self._tensor is None or self._unregister is not None:
+            return
+        try:
+            self._unregister = register_host_memory(self._tensor.data_ptr(), self.total_bytes)
+        except MemoryError as error:  # correct without: each gradient's copy out then waits for itself
+            logger.warning(f"greedysnake: the gradient arena stays unregistered: {error}")
 
     @classmethod
     def for_optimizer_states(cls, shard_numels: List[int], eligible_layers: int, budget_bytes: int) -> "HostArena":
@@ -87,6 +102,9 @@ class HostArena:
         return self._tensor[offset:offset + 4 * num_floats].view(torch.float32)
 
     def close(self) -> None:
+        if self._unregister is not None:
+            self._unregister()
+            self._unregister = None
         self._tensor = None
         if self._mapping is not None:
             try:

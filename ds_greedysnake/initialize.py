@@ -1,5 +1,6 @@
 """``initialize``: deepspeed.initialize's signature, the vertical engine when the block enables it."""
 import json
+import os
 import types
 from datetime import timedelta
 from typing import Any, Callable, Dict, Iterator, Optional
@@ -68,6 +69,7 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
     if pretrained is not None:
         weights = PretrainedWeights(pretrained, model)  # checked here too, before any weight is read
         leave_meta_device(model, torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else torch.float32)
+    select_device(args)  # before the planner's probe and NCCL touch the accelerator
     if greedysnake_config.auto:
         ds_config, greedysnake_config = _apply_plan(ds_config, modules, nvme_path)
     dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
@@ -77,6 +79,17 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
                                dist_init_required=dist_init_required,
                                config=ds_config, config_class=parsed_ds_config(ds_config, mpu), **common)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def select_device(args=None) -> None:
+    """Make this rank's device current, as DeepSpeed's engine will (``args.device_rank``, else LOCAL_RANK).
+    Until then every rank's current device is device 0: the planner's probe would time every rank's
+    copies and layers on GPU 0 at once, and create a context there for each."""
+    device_rank = getattr(args, "device_rank", None) if args is not None else None
+    if device_rank is None:
+        device_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_rank >= 0:
+        get_accelerator().set_device(device_rank)
 
 
 def _apply_plan(ds_config: Dict[str, Any], modules, nvme_path: str):

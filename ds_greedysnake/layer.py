@@ -5,10 +5,14 @@ optimizer writes new weights into the slot not in use and commits it with the co
 of that update. ``prefetch`` starts reading the committed slot into a host buffer from a small
 shared pool (unless its update is still running), ``fetch`` waits for the update and the read and
 points the module's parameters at the data on the device, ``release`` drops them. Each verb is a
-no-op when already done.
+no-op when already done. ``stage`` starts the device copy ahead of ``fetch`` (off the CPU accelerator).
+
+Copies to the device run on a transfer stream (``transfers.py``): a host buffer goes back to the pool
+with the guard of the copy reading it, and the pool hands it out again (to the next aio read) only
+once that copy has completed.
 """
 from enum import Enum
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -16,6 +20,7 @@ from torch import nn
 from . import deepspeed_compat
 from .parallel import DataParallel
 from .ssd import Region, SsdStore
+from .transfers import COMPLETE, Guard, Transfers
 from .updates import UpdateHandle
 
 
@@ -26,17 +31,24 @@ class Residency(Enum):
 
 
 class BufferPool:
-    """A fixed number of equal aligned host buffers of one store; running out is a scheduling bug."""
+    """A fixed number of equal aligned host buffers of one store; running out is a scheduling bug. Each
+    free buffer travels with the guard of the last device copy reading it."""
 
     def __init__(self, store: SsdStore, num_bytes: int, count: int):
-        self._free = [store.buffer(num_bytes) for _ in range(count)]
+        self._free: List[Tuple[torch.Tensor, Guard]] = [(store.buffer(num_bytes), COMPLETE) for _ in range(count)]
 
     def acquire(self) -> torch.Tensor:
+        """The buffer given back last whose copy has completed; if none has, the oldest, once its has."""
         assert self._free, "parameter buffer pool exhausted: more layers in flight than buffers"
-        return self._free.pop()
+        for index in range(len(self._free) - 1, -1, -1):
+            if self._free[index][1].done():
+                return self._free.pop(index)[0]
+        buffer, guard = self._free.pop(0)
+        guard.wait()
+        return buffer
 
-    def give_back(self, buffer: torch.Tensor) -> None:
-        self._free.append(buffer)
+    def give_back(self, buffer: torch.Tensor, guard: Guard = COMPLETE) -> None:
+        self._free.append((buffer, guard))
 
 
 class LayerOwner:
@@ -65,6 +77,8 @@ class LayerOwner:
         self._store: Optional[SsdStore] = None
         self._pool: Optional[BufferPool] = None
         self._host_buffer: Optional[torch.Tensor] = None
+        self.transfers = Transfers.for_device(device)
+        self._staged: Optional[torch.Tensor] = None  # the full weights on the device, not bound yet (stage)
         self._grad_accumulator: Optional[torch.Tensor] = None
         self._move_buffers_to(device)
 
@@ -139,25 +153,39 @@ class LayerOwner:
         for lender in self.lenders:
             lender.fetch()
 
+    def stage(self) -> None:
+        """Start this layer's copy to the device now (waiting for its SSD read), binding nothing: called
+        before the executor waits for the device, so that the copy overlaps the compute queued before it.
+        A no-op on the CPU accelerator, and once resident or staged."""
+        if self.transfers.device_is_host or self.state == Residency.RESIDENT or self._staged is not None:
+            return
+        self._staged = self._copy_in()
+
     def _fetch_own(self) -> None:
         if self.state == Residency.RESIDENT:
             return
-        if self.state == Residency.ON_SSD:
-            self.wait_for_update()
-            self._start_read()
-        self._store.wait_for_read(self._host_buffer)
-        shard = self._host_buffer[:self.shard_bytes].view(self.compute_dtype)
-        if shard.device != self.device:
-            shard = shard.to(self.device)  # blocking: the host buffer can be reused after it
-        flat = self.parallel.gather(shard, self.layout)
-        if flat.data_ptr() != self._host_buffer.data_ptr():
-            self._pool.give_back(self._host_buffer)
-            self._host_buffer = None
+        flat = self._staged if self._staged is not None else self._copy_in()
+        self._staged = None
         offset = 0
         for param, shape in zip(self.params, self.param_shapes):
             param.data = flat[offset:offset + shape.numel()].view(shape)
             offset += shape.numel()
         self.state = Residency.RESIDENT
+
+    def _copy_in(self) -> torch.Tensor:
+        """The full weights on the device: the read waited for, copied on the inbound stream (compute
+        waits for it on the device), gathered over the ranks."""
+        if self.state == Residency.ON_SSD:
+            self.wait_for_update()
+            self._start_read()
+        self._store.wait_for_read(self._host_buffer)
+        shard = self._host_buffer[:self.shard_bytes].view(self.compute_dtype)
+        shard, copied = self.transfers.to_device(shard)  # the CPU accelerator: the host buffer itself
+        flat = self.parallel.gather(shard, self.layout)
+        if flat.data_ptr() != self._host_buffer.data_ptr():
+            self._pool.give_back(self._host_buffer, copied)  # reused once the copy completed
+            self._host_buffer = None
+        return flat
 
     def release(self) -> None:
         for lender in self.lenders:
@@ -167,6 +195,7 @@ class LayerOwner:
         if self.state == Residency.READING:
             self._store.wait_for_read(self._host_buffer)
         self._drop_parameters()
+        self._staged = None
         if self._host_buffer is not None:
             self._pool.give_back(self._host_buffer)
             self._host_buffer = None

@@ -32,6 +32,7 @@ from .host_memory import HostArena, SharedHostMemory
 from .layer import LayerOwner
 from .parallel import DataParallel
 from .ssd import Region, SsdStore, padded_size
+from .transfers import Transfers
 from .update_pipeline import STATE_PIECE_NUMEL, ReadAheadPiece, piece_ranges
 from .updates import (BufferSizes, InlineUpdater, ReplayTask, UpdateHandle, Updater, UpdateTask, WorkerUpdater,
                       plan_write)
@@ -154,8 +155,11 @@ class LayerwiseAdam(torch.optim.Optimizer):
             host_grads = self.host.gradients.slot(layer.index, layer.shard_numel)
         else:
             host_grads = self._grad_buffer[:4 * layer.shard_numel].view(torch.float32)
-        host_grads.copy_(grads)
+        # Off the CPU accelerator: on a transfer stream, into registered memory, while the norm is taken
+        # on the device; the worker or the SSD write reads the slot once the copy completed.
+        copied = Transfers.for_device(grads.device).to_host(grads, host_grads)
         self._grad_sq_norms[layer.index] = squared_norm(grads)
+        copied.wait()
         if not on_host:
             self._store.write(self._grad_regions[layer.index], self._grad_buffer)
 

@@ -40,7 +40,14 @@ class ShardLayout:
 
 
 class CollectiveError(RuntimeError):
-    """A collective failed: another rank died, hung past the timeout, or lost its connection."""
+    """A collective failed: another rank died, hung past the timeout, or lost its connection.
+
+    Under gloo (the CPU accelerator) a collective fails in the call, and this error names it. Under NCCL
+    collectives are asynchronous: the call returns once enqueued, and a peer that died or hung shows only
+    later, in NCCL's watchdog thread, which after ``collective_timeout_seconds`` (the process group's
+    timeout, set by ds_greedysnake.initialize) logs the collective that timed out and tears the process
+    down (torch's TORCH_NCCL_ASYNC_ERROR_HANDLING). Only errors NCCL reports at the call (a bad tensor, a
+    communicator already aborted) arrive here. docs/cuda.md says what to look for in the log."""
 
 
 class DataParallel:
@@ -56,13 +63,22 @@ class DataParallel:
         return ShardLayout(numel, self.world_size, self.rank)
 
     def gather(self, shard: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
-        """The full (padded) flat vector from every rank's shard."""
+        """The full (padded) flat vector from every rank's shard (on the device: see ``gather_to_host``)."""
         if self.world_size == 1:
             return shard
         full = torch.empty(layout.padded_numel, dtype=shard.dtype, device=shard.device)
         self._run("all_gather", lambda: dist.all_gather_into_tensor(full, shard.contiguous(), group=self.group))
         self.bytes_by_collective["all_gather"] += full.numel() * full.element_size()
         return full
+
+    def gather_to_host(self, shard: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
+        """The full (padded) flat vector from every rank's host shard, in host memory: the shard goes to
+        the device for the collective (NCCL takes device tensors only) and the result comes back. With one
+        rank, or on the CPU accelerator, no copy is made."""
+        if self.world_size == 1:
+            return shard
+        full = self.gather(shard.to(self.device), layout)
+        return full.to("cpu")
 
     def reduce_scatter_mean(self, full: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
         """This rank's shard of the gradient summed over ranks, divided by the number of ranks."""

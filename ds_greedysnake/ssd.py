@@ -17,7 +17,7 @@ from typing import Dict, List
 
 import torch
 
-from . import deepspeed_compat
+from . import deepspeed_compat, transfers
 
 ALIGNMENT = 4096
 # Transfers are split into chunks issued together (see SsdStore).
@@ -78,12 +78,9 @@ def padded_size(payload_bytes: int) -> int:
 
 
 def aligned_buffer(num_bytes: int) -> torch.Tensor:
-    """A uint8 host tensor whose first byte is 4096-byte aligned (pinned where the accelerator pins)."""
-    base = deepspeed_compat.pin_if_possible(torch.empty(num_bytes + ALIGNMENT, dtype=torch.uint8))
-    offset = (-base.data_ptr()) % ALIGNMENT
-    buffer = base[offset:offset + num_bytes]
-    assert buffer.data_ptr() % ALIGNMENT == 0
-    return buffer
+    """A uint8 host tensor whose first byte is 4096-byte aligned (pinned, at its exact size, where the
+    accelerator pins: ``transfers.host_buffer``)."""
+    return transfers.host_buffer(num_bytes, ALIGNMENT)
 
 
 @dataclass

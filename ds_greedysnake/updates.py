@@ -183,12 +183,47 @@ class InlineUpdater(Updater):
         raise AssertionError("inline updates complete at submission")
 
 
+# Set in the worker's environment: it never needs a GPU (Adam runs on the CPU, its buffers are host memory).
+# Without them it would detect CUDA, and its first pinned buffer would create a CUDA context on GPU 0 for
+# every rank (0.3-0.5 GB each; an error under the EXCLUSIVE_PROCESS compute mode). With DeepSpeed's CPU
+# accelerator its buffers are locked by its aio handle (mlock), never pinned through torch.
+WORKER_EXTENSIONS_FOLDER = "greedysnake_worker_cpu"
+WORKER_HIDDEN_ACCELERATORS = {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "", "ROCR_VISIBLE_DEVICES": "",
+                              "DS_ACCELERATOR": "cpu"}
+
+
+def worker_environment(base: Optional[Dict[str, str]] = None, device_type: Optional[str] = None) -> Dict[str, str]:
+    """The optimizer worker's environment: the training process's (``base``), with every accelerator hidden.
+
+    Off the CPU accelerator (``device_type``, default this process's), the worker also builds DeepSpeed's
+    native ops in a folder of its own: DeepSpeed names async_io alike under either accelerator, with other
+    build flags, so sharing the training process's folder would rebuild it at every start of either."""
+    env = dict(os.environ if base is None else base, **WORKER_HIDDEN_ACCELERATORS)
+    if device_type is None:
+        from deepspeed.accelerator import get_accelerator
+        device_type = get_accelerator().device_name()
+    if device_type != "cpu":
+        from torch.utils.cpp_extension import get_default_build_root
+        root = env.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+        env["TORCH_EXTENSIONS_DIR"] = os.path.join(root, WORKER_EXTENSIONS_FOLDER)
+    return env
+
+
+def _check_no_accelerator() -> None:
+    from deepspeed.accelerator import get_accelerator
+    name = get_accelerator().device_name()
+    if name != "cpu":
+        raise RuntimeError(f"the greedysnake optimizer worker found the {name} accelerator; it must run on DeepSpeed's "
+                           f"CPU accelerator (it is started with {WORKER_HIDDEN_ACCELERATORS})")
+
+
 def worker_main(task_fd: int, result_fd: int) -> None:
     """The worker process: set up from the first message, then run tasks in order until ``None``. It
     takes new tasks whenever they are there, so that the next update's first read is in flight while
     the current one finishes."""
     tasks, results = Connection(task_fd, writable=False), Connection(result_fd, readable=False)
     folder, ds_config, hyper, adamw_mode, sizes, num_threads, host_layouts = tasks.recv()
+    _check_no_accelerator()
     torch.set_num_threads(num_threads)
     store = SsdStore(folder, ds_config, IoCounters(), "worker")
     kernel = CpuAdamKernel(hyper, adamw_mode)
@@ -262,7 +297,7 @@ class WorkerUpdater(Updater):
         result_read, result_write = os.pipe()
         shared_fds = (task_read, result_write) + host.fds()
         self._process = subprocess.Popen([sys.executable, "-m", "ds_greedysnake.update_worker", str(task_read),
-                                          str(result_write)], pass_fds=shared_fds)
+                                          str(result_write)], pass_fds=shared_fds, env=worker_environment())
         os.close(task_read)
         os.close(result_write)
         self._tasks = Connection(task_write, readable=False)

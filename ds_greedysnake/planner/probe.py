@@ -18,7 +18,9 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from .. import deepspeed_compat
-from ..ssd import IoCounters, SsdStore, aligned_buffer
+from .. import transfers
+from ..config import parse_greedysnake_config, worker_threads_for
+from ..ssd import ALIGNMENT, IoCounters, SsdStore
 from .cost_model import Workload
 from .errors import PlannerError
 from .hardware import Hardware, LayerTimes
@@ -51,7 +53,9 @@ def probe_ssd(folder: str, ds_config: dict, region_mib: int = 128, repeats: int 
         store = SsdStore(scratch, ds_config, IoCounters(), "probe")
         region = store.create_region("whole", region_mib * MIB, "probe")
         handle = deepspeed_compat.new_aio_handle(ds_config)
-        plain = aligned_buffer(region.padded_bytes)  # not locked, as ZeRO-3's swapper's without pin_memory
+        # Pageable, as ZeRO-3's swapper's buffers without offload_param.pin_memory (aio bounces through
+        # memory it locks itself): never registered with the accelerator, which the engine's buffers are.
+        plain = _pageable_aligned(region.padded_bytes)
         plain.fill_(7)
 
         def one_op(kind: str):
@@ -74,6 +78,12 @@ def probe_ssd(folder: str, ds_config: dict, region_mib: int = 128, repeats: int 
         return rates
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _pageable_aligned(num_bytes: int) -> torch.Tensor:
+    base = torch.empty(num_bytes + ALIGNMENT, dtype=torch.uint8)
+    offset = (-base.data_ptr()) % ALIGNMENT
+    return base[offset:offset + num_bytes]
 
 
 def _per_transfer(store: SsdStore, sizes, rounds: int, min_seconds: float = 0.0) -> Dict[str, float]:
@@ -127,7 +137,8 @@ def _fit_line(points) -> Tuple[float, float]:
     return slope, statistics.median(y - slope * x for x, y in points)
 
 
-def probe_update(folder: str, ds_config: dict, numel: int, repeats: int = 5) -> Tuple[float, float]:
+def probe_update(folder: str, ds_config: dict, numel: int, repeats: int = 5,
+                 device_type: str = "cpu") -> Tuple[float, float]:
     """Layer updates as the engine's worker runs them, per element: (states in host memory: Adam with the
     gradient in host memory, the new weights cast and written; what the states' SSD round trip adds).
     Several updates of ``numel`` elements are queued on the engine's own ``UpdatePipeline``, so the next
@@ -139,8 +150,8 @@ def probe_update(folder: str, ds_config: dict, numel: int, repeats: int = 5) -> 
     os.makedirs(folder, exist_ok=True)
     scratch = tempfile.mkdtemp(prefix="planner_update_", dir=folder)
     threads = torch.get_num_threads()
-    # The worker's own thread count (Adam and the cast run on it).
-    torch.set_num_threads(int((ds_config.get("greedysnake") or {}).get("optimizer_worker_threads", 1)))
+    # The worker's own thread count (Adam and the cast run on it), its default depending on the accelerator.
+    torch.set_num_threads(worker_threads_for(parse_greedysnake_config(ds_config), device_type))
     layers, unlimited = 4, 1 << 62
     numels = [numel] * layers
     host = SharedHostMemory(HostArena.for_gradients(numels, unlimited),
@@ -202,16 +213,21 @@ def probe_adam(numel: int = 1 << 23, repeats: int = 5) -> float:
     return numel / _median_seconds(update, repeats)
 
 
-def probe_grad_handoff(numel: int = 1 << 22, repeats: int = 5) -> float:
+def probe_grad_handoff(numel: int = 1 << 22, repeats: int = 5, device: Optional[torch.device] = None) -> float:
     """Elements/s of the engine's gradient hand-over on the training path: copy the accumulated fp32
-    gradient into host memory and take its squared norm (the engine's own ``squared_norm``, for
-    clipping and the overflow check)."""
+    gradient from the device into registered host memory on the transfer stream and take its squared
+    norm (the engine's own ``squared_norm``, for clipping and the overflow check) where the gradient is,
+    as ``LayerwiseAdam.receive_gradient`` does. On the CPU accelerator both are host memory."""
     from ..optimizer import squared_norm
-    source, destination = torch.randn(numel), torch.empty(numel)
+    device = device or torch.device("cpu")
+    copies = transfers.Transfers.for_device(device)
+    source = torch.randn(numel, device=device)
+    destination = transfers.host_buffer(4 * numel).view(torch.float32)
 
     def hand_over():
-        destination.copy_(source)
-        squared_norm(destination)
+        copied = copies.to_host(source, destination)
+        squared_norm(source)
+        copied.wait()
 
     return numel / _median_seconds(hand_over, repeats)
 
@@ -220,7 +236,7 @@ def probe_link(device: torch.device, num_bytes: int = 256 * MIB, repeats: int = 
     """Host<->device copy rate (slower direction); None when the device is the host."""
     if device.type == "cpu":
         return None
-    host = deepspeed_compat.pin_if_possible(torch.empty(num_bytes, dtype=torch.uint8))
+    host = transfers.host_buffer(num_bytes)  # registered, as the engine's staging buffers
     on_device = torch.empty(num_bytes, dtype=torch.uint8, device=device)
     synchronize = getattr(torch, device.type).synchronize
 
@@ -305,8 +321,9 @@ def probe_machine(nvme_path: str, ds_config: dict, workload: Optional[Workload] 
     # One layer's update at the model's largest layer, at most 4 Mi elements (the probe's buffers stay
     # small; the cost is per element).
     largest = min(max(layer.params for layer in workload.shape.layers) if workload is not None else 1 << 22, 1 << 22)
-    update_host, update_state_io = probe_update(nvme_path, ds_config, largest, repeats=3 if quick else 5)
-    handoff = probe_grad_handoff(numel=(1 << 20) if quick else (1 << 22))
+    update_host, update_state_io = probe_update(nvme_path, ds_config, largest, repeats=3 if quick else 5,
+                                                device_type=device.type)
+    handoff = probe_grad_handoff(numel=(1 << 20) if quick else (1 << 22), device=device)
     link = probe_link(device, num_bytes=(64 if quick else 256) * MIB)
     layer_times, key, flops, sharing = {}, "", None, None
     if workload is not None:

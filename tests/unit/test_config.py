@@ -98,3 +98,15 @@ def test_unwritable_path(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "access", lambda path, mode: False)
     with pytest.raises(GreedySnakeConfigError, match="not writable"):
         check_nvme_path(str(tmp_path))
+
+
+def test_worker_threads_default_depends_on_the_accelerator(monkeypatch):
+    from ds_greedysnake.config import worker_threads_for
+    default = parse_greedysnake_config({})
+    assert worker_threads_for(default, "cpu") == 1  # training computes on the same cores
+    monkeypatch.setattr("os.sched_getaffinity", lambda _: set(range(16)))
+    monkeypatch.setenv("LOCAL_SIZE", "2")
+    assert worker_threads_for(default, "cuda") == 6  # 8 cores per rank, one for training, one for aio
+    monkeypatch.setenv("LOCAL_SIZE", "8")
+    assert worker_threads_for(default, "cuda") == 1
+    assert worker_threads_for(parse_greedysnake_config({"greedysnake": {"optimizer_worker_threads": 3}}), "cuda") == 3

@@ -72,3 +72,26 @@ def test_squared_norm_is_accurate():
         assert abs(squared_norm(values) - exact) <= 3e-7 * exact
     assert squared_norm(torch.tensor([float("inf"), 1.0])) == float("inf")
     assert squared_norm(torch.tensor([float("nan")] * 2048)) != squared_norm(torch.tensor([float("nan")] * 2048))
+
+
+def test_the_gradient_arena_is_registered_for_device_copies_and_unregistered_at_close(monkeypatch):
+    from ds_greedysnake import transfers
+    calls = []
+
+    class RegisteringAccelerator:
+        def device_name(self):
+            return "cuda"
+
+        def register_host_memory(self, address, num_bytes):
+            calls.append(("register", address, num_bytes))
+            return True
+
+        def unregister_host_memory(self, address):
+            calls.append(("unregister", address))
+
+    monkeypatch.setattr(transfers, "get_accelerator", lambda: RegisteringAccelerator())
+    arena = HostArena.for_gradients([1000, 3000], 1 << 20)
+    address = arena.slot(1, 3000).data_ptr() - arena.slot_offsets[1]
+    assert calls == [("register", address, arena.total_bytes)]
+    arena.close()
+    assert calls[-1] == ("unregister", address)

@@ -34,3 +34,31 @@ def test_unknown_greedysnake_key(tmp_path):
     config = ds_config(str(tmp_path), 2, greedysnake={"alpah": 0.25})
     with pytest.raises(ds_greedysnake.GreedySnakeConfigError, match="alpah"):
         ds_greedysnake.initialize(model=build_gpt(GPTConfig(num_layers=1, hidden=32)), config=config, loss_fn=lm_loss)
+
+
+def test_the_rank_device_is_selected_before_the_planner_probes(tmp_path, monkeypatch):
+    import importlib
+    initialize_module = importlib.import_module("ds_greedysnake.initialize")
+    events = []
+
+    class Accelerator:
+        def device_name(self):
+            return "cpu"
+
+        def set_device(self, index):
+            events.append(("set_device", index))
+
+    class Planned(Exception):
+        pass
+
+    def plan(*args):
+        events.append(("plan",))
+        raise Planned
+
+    monkeypatch.setattr(initialize_module, "get_accelerator", lambda: Accelerator())
+    monkeypatch.setattr(initialize_module, "_apply_plan", plan)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    with pytest.raises(Planned):
+        ds_greedysnake.initialize(model=build_gpt(GPTConfig(num_layers=1, hidden=32)),
+                                  config=ds_config(str(tmp_path), 2, greedysnake={"auto": True}), loss_fn=lm_loss)
+    assert events == [("set_device", 3), ("plan",)]

@@ -1,0 +1,146 @@
+#!/usr/bin/env bash
+# The CUDA path, checked on a machine with one CUDA GPU, in one go:
+#
+#     scripts/gpu_check.sh [OUT_DIR]                  # default results/gpu_check/
+#     scripts/gpu_check.sh --cpu-dry-run [OUT_DIR]    # no GPU: the same stages on DeepSpeed's CPU accelerator
+#
+# 1. Set-up, from a clean tree: a virtual environment (.venv_gpu, or $GPU_CHECK_PYTHON's), a CUDA build of
+#    torch ($TORCH_SPEC, default torch==2.13.0: PyPI's Linux wheel is the CUDA one; $PIP_OPTIONS for an
+#    offline wheelhouse, e.g. "--no-index --find-links /wheels"), this package, and DeepSpeed's native ops
+#    built for both accelerators (the GPU build of async_io needs a CUDA toolkit: nvcc and headers, found
+#    through CUDA_HOME; the optimizer worker's CPU build goes to its own folder). Not timed.
+# 2. Then, within CHECK_SECONDS (default 480) in all, each stage under its own timeout:
+#    fp32 and bf16 parity against plain PyTorch on the GPU; the one-rank A/B of ssd_bound at M=1 and 8
+#    against ZeRO-Infinity (scripts/ab_bench.py); a profile of one step (the share of each layer's
+#    host-to-device copy hidden under compute).
+# 3. OUT_DIR gets one JSON per stage, gpu_check.json (everything) and report.md (a short table).
+#
+# A failed stage does not stop the others; the exit status is that of the first failed stage.
+set -uo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+
+DRY_RUN=0
+if [ "${1:-}" = "--cpu-dry-run" ]; then
+    DRY_RUN=1
+    shift
+fi
+OUT="$(mkdir -p "${1:-$REPO/results/gpu_check}" && cd "${1:-$REPO/results/gpu_check}" && pwd)"
+CHECK_SECONDS="${CHECK_SECONDS:-480}"
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$REPO/.cache/torch_extensions}"
+export NVME_PATH="${GPU_CHECK_NVME:-$REPO/.nvme_swap/gpu_check}"
+mkdir -p "$NVME_PATH"
+rm -f "$OUT"/stages.tsv
+
+log() { echo "[gpu_check $(date +%H:%M:%S)] $*"; }
+
+# ----------------------------------------------------------------------------- 1. set-up
+setup_started=$(date +%s)
+if [ "$DRY_RUN" = 1 ]; then
+    export DS_ACCELERATOR=cpu
+    PY="${GPU_CHECK_PYTHON:-$REPO/.venv/bin/python}"
+    log "CPU dry run with $PY: no CUDA torch installed, DS_ACCELERATOR=cpu"
+else
+    if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
+        echo "gpu_check: no CUDA GPU here (nvidia-smi finds none); run with --cpu-dry-run instead" >&2
+        exit 2
+    fi
+    nvidia-smi -L
+    if [ -n "${GPU_CHECK_PYTHON:-}" ]; then
+        PY="$GPU_CHECK_PYTHON"
+    else
+        [ -x .venv_gpu/bin/python ] || python3 -m venv .venv_gpu || exit 3
+        PY="$REPO/.venv_gpu/bin/python"
+        if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; then
+            log "installing ${TORCH_SPEC:-torch==2.13.0}"
+            # shellcheck disable=SC2086
+            "$PY" -m pip install -q ${PIP_OPTIONS:-} "${TORCH_SPEC:-torch==2.13.0}" || exit 3
+        fi
+    fi
+    # shellcheck disable=SC2086
+    "$PY" -m pip install -q ${PIP_OPTIONS:-} -e . || exit 3
+    "$PY" - <<'PY' || exit 3
+import sys, torch, torch.utils.cpp_extension as ext
+if not torch.cuda.is_available():
+    sys.exit(f"gpu_check: torch {torch.__version__} sees no GPU (torch.version.cuda = {torch.version.cuda}): "
+             "install a CUDA build (TORCH_SPEC)")
+if ext.CUDA_HOME is None:
+    sys.exit("gpu_check: no CUDA toolkit (nvcc) found: DeepSpeed's async_io op includes CUDA headers when built for "
+             "the GPU. Install the toolkit matching torch.version.cuda (" + str(torch.version.cuda) + ") and set CUDA_HOME")
+PY
+fi
+log "building DeepSpeed's native ops (first time: minutes)"
+"$PY" - <<'PY' || exit 3
+import subprocess, sys
+from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
+from ds_greedysnake.updates import worker_environment
+AsyncIOBuilder().load(verbose=False)
+CPUAdamBuilder().load(verbose=False)
+# The optimizer worker runs on DeepSpeed's CPU accelerator, with its ops in a folder of its own.
+subprocess.run([sys.executable, "-c", "from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder; "
+                "AsyncIOBuilder().load(verbose=False); CPUAdamBuilder().load(verbose=False)"],
+               env=worker_environment(), check=True)
+PY
+"$PY" - "$OUT/setup.json" "$DRY_RUN" "$(( $(date +%s) - setup_started ))" <<'PY' || exit 3
+import json, os, sys
+sys.path.insert(0, os.path.join(os.getcwd(), "scripts"))
+from gpu_check import _environment
+json.dump({"dry_run": sys.argv[2] == "1", "seconds": int(sys.argv[3]), "environment": _environment()},
+          open(sys.argv[1], "w"), indent=1)
+PY
+
+# ----------------------------------------------------------------------------- 2. the checks
+checks_started=$(date +%s)
+first_failure=0
+stage() {  # stage NAME SECONDS COMMAND...: run under a timeout that also respects the overall budget
+    local name=$1 limit=$2
+    shift 2
+    local left=$(( CHECK_SECONDS - ($(date +%s) - checks_started) ))
+    if [ "$DRY_RUN" = 1 ]; then left=$limit; fi  # the CPU is not what the budget is for
+    if [ "$left" -lt "$limit" ]; then limit=$left; fi
+    if [ "$limit" -le 0 ]; then
+        log "$name: skipped, no time left"
+        printf '%s\t%s\t%s\n' "$name" "skipped" 0 >> "$OUT/stages.tsv"
+        return
+    fi
+    log "$name (at most ${limit}s)"
+    local began=$(date +%s)
+    timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local code=$?
+    printf '%s\t%s\t%s\n' "$name" "$code" "$(( $(date +%s) - began ))" >> "$OUT/stages.tsv"
+    log "$name: exit $code after $(( $(date +%s) - began ))s (log $OUT/$name.log)"
+    tail -n 3 "$OUT/$name.log"
+    if [ "$code" != 0 ] && [ "$first_failure" = 0 ]; then first_failure=$code; fi
+}
+
+if [ "$DRY_RUN" = 1 ]; then
+    AB_OPTIONS=(--quick --micro-batches 1 8 --steps 1)
+    PROFILE_OPTIONS=(--small)
+    PARITY_SECONDS=600 AB_SECONDS=1800 PROFILE_SECONDS=600
+else
+    AB_OPTIONS=(--micro-batches 1 8 --warmup 1 --steps 2)
+    PROFILE_OPTIONS=()
+    PARITY_SECONDS=60 AB_SECONDS=240 PROFILE_SECONDS=100
+fi
+stage parity_fp32 "$PARITY_SECONDS" "$PY" scripts/gpu_check.py parity --dtype fp32 --out "$OUT/parity_fp32.json" \
+    --nvme-path "$NVME_PATH"
+stage parity_bf16 "$PARITY_SECONDS" "$PY" scripts/gpu_check.py parity --dtype bf16 --out "$OUT/parity_bf16.json" \
+    --nvme-path "$NVME_PATH"
+stage ab_ssd_bound "$AB_SECONDS" "$PY" scripts/ab_bench.py --configs ssd_bound --ranks 1 --no-plot "${AB_OPTIONS[@]}" \
+    --nvme-path "$NVME_PATH" --out-dir "$OUT/ab"
+stage profile "$PROFILE_SECONDS" "$PY" scripts/gpu_check.py profile --out "$OUT/profile.json" \
+    --nvme-path "$NVME_PATH" "${PROFILE_OPTIONS[@]}"
+
+# ----------------------------------------------------------------------------- 3. the report
+"$PY" - "$OUT" <<'PY'
+import json, os, sys
+folder = sys.argv[1]
+stages = {}
+for line in open(os.path.join(folder, "stages.tsv")):
+    name, code, seconds = line.rstrip("\n").split("\t")
+    stages[name] = {"exit": int(code) if code.lstrip("-").isdigit() else code, "seconds": int(seconds)}
+json.dump(stages, open(os.path.join(folder, "stages.json"), "w"), indent=1)
+PY
+"$PY" scripts/gpu_check.py report "$OUT"
+log "done: $OUT/gpu_check.json, $OUT/report.md"
+exit "$first_failure"

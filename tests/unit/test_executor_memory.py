@@ -1,0 +1,51 @@
+"""What the executor keeps across micro-batches does not grow with their number."""
+import weakref
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from ds_greedysnake.activations import ActivationStore
+from ds_greedysnake.executor import Executor
+
+CPU = torch.device("cpu")
+
+
+class StubLayer:
+    """A resident layer: the executor's evaluate only fetches, runs and releases it."""
+
+    def __init__(self, index, module):
+        self.index, self.module, self.device = index, module, CPU
+
+    def fetch(self):
+        pass
+
+    def release(self):
+        pass
+
+    def discard_grads(self):
+        pass
+
+
+@pytest.mark.parametrize("num_micro_batches", [2, 6])
+def test_evaluate_holds_one_micro_batch_of_logits(num_micro_batches):
+    torch.manual_seed(0)
+    modules = [nn.Embedding(16, 8), nn.Linear(8, 8), nn.Linear(8, 32)]
+    layers = [StubLayer(index, module) for index, module in enumerate(modules)]
+    logits, peak = [], [0]
+
+    def loss_fn(output, labels):
+        logits.append(weakref.ref(output))
+        peak[0] = max(peak[0], sum(reference() is not None for reference in logits))
+        return nn.functional.cross_entropy(output.reshape(-1, 32), labels.reshape(-1))
+
+    optimizer = SimpleNamespace(needs_every_gradient_first=False)
+    executor = Executor(layers, ActivationStore(None, 1 << 30, CPU), optimizer, loss_fn, torch.float32,
+                        prefetch=True, overlap=False, deferred_layers=None)
+    batches = [(torch.randint(0, 16, (2, 4)), torch.randint(0, 32, (2, 4))) for _ in range(num_micro_batches)]
+    losses = executor.evaluate(batches)
+    assert peak[0] == 1  # each micro-batch's logits go into its loss, then away
+    with torch.no_grad():
+        expected = [float(loss_fn(modules[2](modules[1](modules[0](inputs))), labels)) for inputs, labels in batches]
+    assert losses == expected

@@ -1,0 +1,49 @@
+"""scripts/gpu_check's arithmetic, on synthetic inputs: the copy/compute overlap of a trace, and the report."""
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
+
+import gpu_check  # noqa: E402
+from gpu_check_profile import layer_copy_overlap  # noqa: E402
+
+
+def _event(category, name, start, duration, **args):
+    return {"ph": "X", "cat": category, "name": name, "ts": start, "dur": duration, "args": args}
+
+
+def test_each_layer_copy_counts_the_time_it_runs_under_any_kernel():
+    trace = {"traceEvents": [
+        _event("kernel", "gemm", 0, 10, stream=7), _event("kernel", "gemm", 8, 4, stream=7),
+        _event("kernel", "softmax", 20, 10, stream=7),
+        _event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 5, 10, bytes=100, stream=20),   # layer 0: 7 of 10 hidden
+        _event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 16, 2, bytes=7, stream=20),     # an activation
+        _event("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 17, 2, bytes=100, stream=20),   # not to the device
+        _event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 22, 4, bytes=100, stream=20),   # layer 1: all hidden
+        _event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 40, 4, bytes=100, stream=20),   # beyond the fetches
+    ]}
+    result = layer_copy_overlap(trace, [(0, 100), (1, 100)])
+    assert [(copy["layer"], copy["hidden_share"]) for copy in result["copies"]] == [(0, 0.7), (1, 1.0)]
+    assert result["hidden_share"] == (7 + 4) / (10 + 4)
+    assert result["fetches_matched"] == 2 and result["kernels"] == 2
+
+
+def test_no_device_copies_leave_the_share_unknown():
+    result = layer_copy_overlap({"traceEvents": []}, [(0, 100)])
+    assert result["hidden_share"] is None and result["copies"] == []
+
+
+def test_the_report_says_what_ran_and_what_did_not(tmp_path):
+    (tmp_path / "stages.json").write_text(json.dumps({"parity_fp32": {"exit": 0, "seconds": 20},
+                                                      "ab_ssd_bound": {"exit": 124, "seconds": 240}}))
+    (tmp_path / "setup.json").write_text(json.dumps({"dry_run": False, "environment": {"accelerator": "cuda"}}))
+    (tmp_path / "parity_fp32.json").write_text(json.dumps({"passed": True, "relative_l2": 2e-7, "tolerance": 1e-5}))
+    gpu_check.main(["report", str(tmp_path)])
+    summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert summary["checks"] == {"fp32_parity": True, "bf16_parity": None, "ssd_bound_m8_speedup_at_least_2x": None,
+                                 "h2d_hidden_share_measured": None}
+    report = (tmp_path / "report.md").read_text()
+    assert "| ab_ssd_bound | 124 (timed out) | 240 |" in report
+    assert "| fp32 parity vs plain PyTorch | yes | rel. L2 2.00e-07 (tolerance 1e-05) |" in report
+    assert "| bf16 parity vs plain PyTorch | not run |  |" in report
