@@ -1,14 +1,20 @@
 """The only module that touches DeepSpeed's private pieces.
 
 Everything greedysnake needs from DeepSpeed beyond its public API goes through here: the engine
-constructor hooks, the async I/O op, the CPU Adam kernel and the ZeRO-Infinity parameter swapper
-(for counting its reads in A/B comparisons). ``check_deepspeed_internals()`` fails loudly, naming
-the attribute, when a DeepSpeed release drops one of them; a test calls it.
+constructor hooks, the native ops (prebuilt at install, see ``native_ops_status``; an op DeepSpeed
+builds at run time instead is logged), the async I/O op, the CPU Adam kernel and the ZeRO-Infinity
+parameter swapper (for counting its reads in A/B comparisons). ``check_deepspeed_internals()`` fails
+loudly, naming the attribute, when a DeepSpeed release drops one of them; a test calls it.
 """
 import atexit
 import contextlib
+import ctypes
+import functools
 import os
+import re
 import resource
+import sys
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, Optional
 
@@ -17,13 +23,15 @@ import deepspeed
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.ops.adam import DeepSpeedCPUAdam
-from deepspeed.ops.op_builder import AsyncIOBuilder
+from deepspeed.ops.op_builder.builder import OpBuilder
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.swap_tensor import partitioned_param_swapper
 from deepspeed.runtime.swap_tensor.aio_config import get_aio_config
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-from deepspeed.utils import groups
+from deepspeed.utils import groups, logger
+
+from . import build_locks
 
 CHECKED_DEEPSPEED_VERSION = "0.19.8"
 
@@ -36,7 +44,9 @@ _RELIED_ON = [
     (DeepSpeedEngine, "_config"),
     (DeepSpeedCPUAdam, "ds_opt_adam"),
     (DeepSpeedCPUAdam, "opt_id"),
+    (DeepSpeedCPUAdam, "optimizer_id"),
     (partitioned_param_swapper, "swap_in_tensors"),
+    (OpBuilder, "jit_load"),
 ]
 
 
@@ -206,6 +216,106 @@ def make_gatherable(shapes: Dict[torch.nn.Parameter, torch.Size], group, gather:
         param.all_gather, param.partition = all_gather, partition
 
 
+# ----------------------------------------------------------------------------- native ops
+
+# The ops a greedysnake or ZeRO-Infinity run loads: async I/O (which loads pin_memory first), CPU
+# Adam and, on the CPU accelerator, the shared-memory collectives deepspeed.comm loads at init.
+NATIVE_OPS = ("async_io", "pin_memory", "cpu_adam", "deepspeed_shm_comm")
+_BUILDERS = {"async_io": "AsyncIOBuilder", "pin_memory": "PinMemoryBuilder", "cpu_adam": "CPUAdamBuilder",
+             "deepspeed_shm_comm": "ShareMemCommBuilder"}
+# Set (to 1) to make an op DeepSpeed would compile at run time an error instead (the test suite does).
+REQUIRE_PREBUILT_OPS_ENV = "DS_GREEDYSNAKE_REQUIRE_PREBUILT_OPS"
+SETUP_COMMAND = "bash scripts/setup.sh"
+
+
+class NativeOpNotPrebuiltError(RuntimeError):
+    """DeepSpeed would compile an op at run time, and REQUIRE_PREBUILT_OPS_ENV forbids it."""
+
+
+def native_ops_status() -> Dict[str, bool]:
+    """Each op of NATIVE_OPS this accelerator has, and whether it is compiled into the installed DeepSpeed.
+
+    DeepSpeed loads a prebuilt op only when its install recorded it (``DS_BUILD_<OP>=1`` at install)
+    for the accelerator running now; otherwise it JIT-compiles the op into TORCH_EXTENSIONS_DIR."""
+    from deepspeed.git_version_info import accelerator_name, installed_ops
+    from deepspeed.ops.op_builder.all_ops import ALL_OPS
+    same_accelerator = accelerator_name == get_accelerator()._name
+    return {name: bool(installed_ops.get(name)) and same_accelerator for name in NATIVE_OPS if name in ALL_OPS}
+
+
+def native_op_compatible(name: str, verbose: bool = False) -> bool:
+    """Whether DeepSpeed can build op ``name`` here (with ``verbose``, it prints what is missing)."""
+    return bool(get_accelerator().create_op_builder(_BUILDERS[name]).is_compatible(verbose))
+
+
+def load_native_op(name: str):
+    """DeepSpeed's op module ``name`` (one of NATIVE_OPS): the prebuilt one, else compiled now (logged)."""
+    return get_accelerator().create_op_builder(_BUILDERS[name]).load(verbose=False)
+
+
+def _reported_jit_load(jit_load):
+    """DeepSpeed's OpBuilder.jit_load (reached only for an op that is not prebuilt), made loud: it says
+    that it compiles and where, clears a build lock its dead owner left (torch would wait on it forever,
+    silently), names the process behind a live one while it waits, and raises under
+    REQUIRE_PREBUILT_OPS_ENV."""
+
+    @functools.wraps(jit_load)
+    def reported(builder, verbose=True):
+        if os.environ.get(REQUIRE_PREBUILT_OPS_ENV, "0") not in ("", "0"):
+            raise NativeOpNotPrebuiltError(
+                f"DeepSpeed's {builder.name} op is not prebuilt in {os.path.dirname(deepspeed.__file__)} and "
+                f"{REQUIRE_PREBUILT_OPS_ENV}=1 forbids compiling it at run time: run `{SETUP_COMMAND}` (it installs "
+                f"DeepSpeed with its native ops compiled in), or unset {REQUIRE_PREBUILT_OPS_ENV} to compile it now")
+        build_folder = os.path.join(build_locks.extensions_root(), builder.name)
+        logger.warning(f"ds_greedysnake: DeepSpeed's {builder.name} op is not prebuilt in this install: DeepSpeed "
+                       f"builds it at run time in {build_folder} (minutes of every core the first time, and again "
+                       f"whenever its compile flags differ). `{SETUP_COMMAND}` installs DeepSpeed with its native ops "
+                       "compiled in, once")
+        build_locks.wait_until_free(os.path.join(build_folder, build_locks.LOCK_NAME),
+                                    lambda line: logger.warning(f"ds_greedysnake: {line}"))
+        return jit_load(builder, verbose)
+
+    reported.ds_greedysnake_reported = True
+    return reported
+
+
+def _report_jit_builds() -> None:
+    if not getattr(OpBuilder.jit_load, "ds_greedysnake_reported", False):
+        OpBuilder.jit_load = _reported_jit_load(OpBuilder.jit_load)
+
+
+_report_jit_builds()
+
+_FLAVOUR_LINE = re.compile(r"is created with (\S+) arithmetic capability")
+
+
+def cpu_adam_simd_flavour() -> str:
+    """The SIMD flavour ("AVX512", "AVX2", "scalar", ...) the loaded cpu_adam op was compiled for, as the
+    kernel reports it when it creates an optimizer (a line printed from C, read back from fd 1)."""
+    module = load_native_op("cpu_adam")
+    probe_id = DeepSpeedCPUAdam.optimizer_id  # claim an id no DeepSpeedCPUAdam uses
+    DeepSpeedCPUAdam.optimizer_id += 1
+    libc = ctypes.CDLL(None)
+    sys.stdout.flush()
+    libc.fflush(None)
+    saved_stdout = os.dup(1)
+    with tempfile.TemporaryFile() as capture:
+        os.dup2(capture.fileno(), 1)
+        try:
+            module.create_adam(probe_id, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True)
+            libc.fflush(None)
+        finally:
+            os.dup2(saved_stdout, 1)
+            os.close(saved_stdout)
+            module.destroy_adam(probe_id)
+        capture.seek(0)
+        printed = capture.read().decode(errors="replace")
+    match = _FLAVOUR_LINE.search(printed)
+    if match is None:
+        raise RuntimeError(f"DeepSpeed's cpu_adam op did not report its SIMD flavour; it printed: {printed!r}")
+    return match.group(1)
+
+
 # ----------------------------------------------------------------------------- async I/O
 
 
@@ -216,7 +326,7 @@ def aio_settings(ds_config: Dict[str, Any]) -> Dict[str, Any]:
 
 def new_aio_handle(ds_config: Dict[str, Any]):
     settings = aio_settings(ds_config)
-    module = AsyncIOBuilder().load(verbose=False)
+    module = load_native_op("async_io")
     return module.aio_handle(settings["block_size"], settings["queue_depth"], settings["single_submit"],
                              settings["overlap_events"], settings["intra_op_parallelism"])
 

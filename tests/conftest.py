@@ -21,12 +21,19 @@ for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LO
     os.environ.setdefault(key, value)
 os.environ.setdefault("MASTER_PORT", _free_port())
 
+import native_ops_guard  # noqa: E402  (tests/native_ops_guard.py: the session compiles no native op)
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: end-to-end runs with real SSD I/O (CI runs them too)")
 
 
+def pytest_sessionstart(session):
+    native_ops_guard.session_start(session)
+
+
 def pytest_sessionfinish(session, exitstatus):
+    native_ops_guard.session_finish(session)
     # DeepSpeed's shm comm op names its buffer deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>
     # and never removes it; remove ours (by our port) so repeated runs do not fill /dev/shm.
     from helpers import remove_shm_buffers

@@ -44,3 +44,54 @@ def test_skips_when_installed(tmp_path):
     result, calls = _run(tmp_path, 0, installed=True)
     assert result.returncode == 0, result.stderr
     assert calls == []
+
+
+# scripts/install_deepspeed.sh with stand-ins for the venv's python (the "prebuilt?" check) and pip.
+BUILD_SCRIPT = SCRIPT.parent / "install_deepspeed.sh"
+BUILD_VARIABLES = ("DS_BUILD_OPS", "DS_BUILD_AIO", "DS_BUILD_PIN_MEMORY", "DS_BUILD_CPU_ADAM", "DS_BUILD_SHM_COMM",
+                   "DS_ENABLE_NINJA")
+
+
+def _run_build(tmp_path: Path, prebuilt: bool, build_succeeds: bool = True):
+    venv_bin, log = tmp_path / "venv" / "bin", tmp_path / "calls.log"
+    venv_bin.mkdir(parents=True)
+    _stand_in(venv_bin, "python", f'echo "python $*" >> {log}; exit {0 if prebuilt else 1}')
+    variables = " ".join(f"{name}=${{{name}:-}}" for name in BUILD_VARIABLES)
+    _stand_in(venv_bin, "pip", f'echo "pip $*" >> {log}; echo "{variables} LDFLAGS=$LDFLAGS" >> {log}; '
+                               f'echo "compiling"; echo "error: the last line"; exit {0 if build_succeeds else 1}')
+    env = {key: value for key, value in os.environ.items() if key not in BUILD_VARIABLES + ("LDFLAGS",)}
+    build_log = tmp_path / "build.log"
+    result = subprocess.run(["bash", str(BUILD_SCRIPT), str(tmp_path / "venv"), str(build_log)], env=env,
+                            capture_output=True, text=True)
+    calls = log.read_text().splitlines() if log.exists() else []
+    return result, calls, build_log
+
+
+def _pinned_deepspeed() -> str:
+    from ds_greedysnake.deepspeed_compat import CHECKED_DEEPSPEED_VERSION
+    return CHECKED_DEEPSPEED_VERSION
+
+
+def test_a_deepspeed_with_its_ops_prebuilt_is_kept(tmp_path):
+    result, calls, _ = _run_build(tmp_path, prebuilt=True)
+    assert result.returncode == 0, result.stderr
+    assert calls == [f"python {SCRIPT.parent / 'native_ops.py'} check {_pinned_deepspeed()}"]
+
+
+def test_builds_the_pinned_deepspeed_with_its_ops_against_the_installed_torch(tmp_path):
+    result, calls, build_log = _run_build(tmp_path, prebuilt=False)
+    assert result.returncode == 0, result.stderr
+    assert calls[1] == (f"pip install --no-build-isolation --no-cache-dir --force-reinstall --no-deps "
+                        f"deepspeed=={_pinned_deepspeed()}")
+    variables = dict(item.split("=", 1) for item in calls[2].split(" LDFLAGS=")[0].split())
+    assert variables == {"DS_BUILD_OPS": "0", "DS_BUILD_AIO": "1", "DS_BUILD_PIN_MEMORY": "1",
+                         "DS_BUILD_CPU_ADAM": "1", "DS_BUILD_SHM_COMM": "1", "DS_ENABLE_NINJA": "1"}
+    assert calls[2].split(" LDFLAGS=")[1].split() == ["-Wl,--no-as-needed", "-laio"]
+    assert "compiling" in build_log.read_text()
+    assert f"building DeepSpeed {_pinned_deepspeed()} with its native ops" in result.stdout
+
+
+def test_a_failed_build_fails_set_up_with_the_end_of_its_log(tmp_path):
+    result, _, build_log = _run_build(tmp_path, prebuilt=False, build_succeeds=False)
+    assert result.returncode != 0
+    assert "error: the last line" in result.stderr and f"full log: {build_log}" in result.stderr
