@@ -232,3 +232,25 @@ def test_the_paper_settings_hardware_file_states_where_every_number_comes_from()
     data["assumptions"]["ssd_read_bytes_per_s"] = {"source": "a hunch", "note": ""}
     with pytest.raises(PlannerError, match="must be an object with \"source\" one of paper"):
         hardware_from_dict(data)
+
+
+def test_measured_runs_reduce_as_the_sweep_does():
+    """scripts/saturation_accuracy.py: ab_bench runs and their predictions, through saturation_of."""
+    import sys
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import saturation_accuracy
+    runs, rows = [], []
+    for engine, seconds in (("zero_infinity", (1.0, 3.0, 2.0)), ("greedysnake", (0.5, 1.0, 0.9))):
+        for (size, m), measured in zip(((1, 1), (1, 4), (4, 1)), seconds):
+            runs.append({"engine": engine, "micro_batch_size": size, "micro_batches": m, "tokens_per_step": 8 * size * m})
+            rows.append({"engine": engine, "micro_batches": m, "measured_seconds": measured,
+                         "predicted_seconds": 1.1 * measured, "binding": "SSD"})
+    runs.append({"engine": "greedysnake", "micro_batch_size": 1, "micro_batches": 8, "world_size": 2,
+                 "tokens_per_step": 128})  # two ranks: not predicted, left out
+    measured, predicted = saturation_accuracy.points_of({"runs": runs}, rows)
+    result = saturation_accuracy.compare(measured, predicted)
+    # Global batch 4 twice (1 x 4 and 4 x 1): the faster one counts.
+    assert [p["tokens_per_second"] for p in result["zero_infinity"]["measured"]["curve"]] == [8.0, 16.0]
+    assert result["greedysnake"]["measured"]["plateau"]["micro_batch_size"] == 4
+    assert result["greedysnake"]["plateau_ratio"] == pytest.approx(1 / 1.1)
+    assert "saturated ratio greedysnake / ZeRO-Infinity: measured" in saturation_accuracy.markdown(result)
