@@ -148,9 +148,11 @@ def _sweep_saturated(args, ds_config: dict, request: PlanRequest) -> dict:
     depth = int(block.get("prefetch_depth", 1)) if block.get("prefetch", True) else 1
     return sweep(SweepRequest(
         request.shape, request.hardware, budget_bytes(request),
-        HorizontalSettings.from_ds_config(ds_config, recompute=request.zero_recompute),
-        EngineSettings.from_ds_config(ds_config), args.micro_batch_sizes or DEFAULT_MICRO_BATCH_SIZES,
-        args.micro_batches or DEFAULT_SWEEP_MICRO_BATCHES, args.ranks, width, request.ideal, prefetch_depth=depth))
+        zero_settings=HorizontalSettings.from_ds_config(ds_config, recompute=request.zero_recompute),
+        engine_settings=EngineSettings.from_ds_config(ds_config),
+        micro_batch_sizes=args.micro_batch_sizes or DEFAULT_MICRO_BATCH_SIZES,
+        micro_batches=args.micro_batches or DEFAULT_SWEEP_MICRO_BATCHES, ranks=args.ranks, dtype_bytes=width,
+        ideal=request.ideal, prefetch_depth=depth))
 
 
 def _saturated_json(shape, hardware, saturations: dict) -> dict:
