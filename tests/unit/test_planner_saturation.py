@@ -254,3 +254,39 @@ def test_measured_runs_reduce_as_the_sweep_does():
     assert result["greedysnake"]["measured"]["plateau"]["micro_batch_size"] == 4
     assert result["greedysnake"]["plateau_ratio"] == pytest.approx(1 / 1.1)
     assert "saturated ratio greedysnake / ZeRO-Infinity: measured" in saturation_accuracy.markdown(result)
+
+
+@pytest.mark.parametrize("dtype_bytes", [4, 2])
+def test_the_working_set_estimate_matches_what_autograd_keeps_for_the_built_gpt(dtype_bytes):
+    """What the built GPT's block and head keep for backward (autograd's saved tensors, counted once per
+    storage): a block 16 hidden elements per token, as device_memory assumes (plus 2 hidden for the input
+    and output gradient); the head less than the estimate, which adds backward's transients."""
+    import torch
+    from ds_greedysnake.models.gpt import GPTConfig, build_gpt, lm_loss
+    from ds_greedysnake.planner.device_memory import layer_working_set_bytes
+    dtype = torch.float32 if dtype_bytes == 4 else torch.bfloat16
+    shape = GPTShape("tiny", num_blocks=1, hidden=64, heads=4, vocab=300, seq_len=32)
+    model = build_gpt(GPTConfig(vocab_size=shape.vocab, seq_len=shape.seq_len, hidden=shape.hidden,
+                                num_heads=shape.heads, num_layers=1)).to(dtype)
+    weights = {p.data_ptr() for p in model.parameters()}
+
+    def saved_bytes(run) -> int:
+        storages = {}
+
+        def pack(tensor):
+            if tensor.data_ptr() not in weights and tensor.numel() > 1:
+                storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            run()
+        return sum(storages.values())
+
+    tokens = 2 * shape.seq_len
+    hidden = torch.randn(2, shape.seq_len, shape.hidden, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, shape.vocab, (2, shape.seq_len))
+    block_estimate = layer_working_set_bytes(shape.layers[1], shape, tokens, dtype_bytes, keeps_scores=False)
+    block_saved = saved_bytes(lambda: model[1](hidden))
+    assert block_saved == pytest.approx(block_estimate - 2 * tokens * shape.hidden * dtype_bytes, rel=0.02)
+    head_saved = saved_bytes(lambda: lm_loss(model[2](hidden), labels))
+    head_estimate = layer_working_set_bytes(shape.layers[2], shape, tokens, dtype_bytes, keeps_scores=False)
+    assert 4 * tokens * shape.vocab <= head_saved < head_estimate  # at least the fp32 log-softmax kept
