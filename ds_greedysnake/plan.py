@@ -191,6 +191,8 @@ def _describe_saturated(shape, hardware, request: PlanRequest, saturations: dict
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
+        if not args.saturated and (args.micro_batch_sizes or args.ranks != 1):
+            raise PlannerError("--micro-batch-sizes and --ranks apply to --saturated only: add --saturated")
         ds_config = _load_config(args.config)
         shape = parse_layers(args.layers) if args.layers else named_shape(args.model or "gpt-small")
         with _stdout_to_stderr_if(args.json):

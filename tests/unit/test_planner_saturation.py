@@ -219,6 +219,8 @@ def test_cli_saturated_json_and_text(capsys):
     assert "ratio of the saturated throughputs" in out and "(saturation point)" in out
     assert plan_cli.main(args[:-4] + ["--micro-batch-sizes", "0"]) == 2
     assert "micro batch sizes must be positive integers" in capsys.readouterr().err
+    assert plan_cli.main(["--config", CONFIG, "--hardware", A100, "--ranks", "2"]) == 2
+    assert "apply to --saturated only" in capsys.readouterr().err
 
 
 def test_the_paper_settings_hardware_file_states_where_every_number_comes_from():
