@@ -43,6 +43,13 @@ def parse_args(argv=None):
     parser.add_argument("--nvme-path", default=None, help="folder the probe measures (default: the config's nvme_path)")
     parser.add_argument("--save-hardware", default=None, help="write the probed hardware to this JSON file")
     parser.add_argument("--json", action="store_true", help="print JSON for machines")
+    parser.add_argument("--saturated", action="store_true",
+                        help="per engine, tokens/s as the global batch grows over every micro-batch size and M that "
+                             "fit the device, the saturation point and the ratio of the saturated throughputs")
+    parser.add_argument("--micro-batch-sizes", type=int, nargs="+", default=None,
+                        help="with --saturated: the micro-batch sizes to sweep (default 1 2 4 ... 64)")
+    parser.add_argument("--ranks", type=int, default=1,
+                        help="with --saturated: data-parallel ranks sharing this machine's SSD, CPU and host memory")
     return parser.parse_args(argv)
 
 
@@ -132,15 +139,72 @@ def _describe(plans, hardware, shape, workload, budget, request) -> str:
     return "\n".join(lines)
 
 
+def _sweep_saturated(args, ds_config: dict, request: PlanRequest) -> dict:
+    from .planner.cost_model import HorizontalSettings
+    from .planner.engine_model import EngineSettings
+    from .planner.saturation import DEFAULT_MICRO_BATCH_SIZES, DEFAULT_SWEEP_MICRO_BATCHES, SweepRequest, sweep
+    width = workload_from_config(ds_config, request.shape).param_bytes
+    block = ds_config.get("greedysnake") or {}
+    depth = int(block.get("prefetch_depth", 1)) if block.get("prefetch", True) else 1
+    return sweep(SweepRequest(
+        request.shape, request.hardware, budget_bytes(request),
+        zero_settings=HorizontalSettings.from_ds_config(ds_config, recompute=request.zero_recompute),
+        engine_settings=EngineSettings.from_ds_config(ds_config),
+        micro_batch_sizes=args.micro_batch_sizes or DEFAULT_MICRO_BATCH_SIZES,
+        micro_batches=args.micro_batches or DEFAULT_SWEEP_MICRO_BATCHES, ranks=args.ranks, dtype_bytes=width,
+        ideal=request.ideal, prefetch_depth=depth))
+
+
+def _saturated_json(shape, hardware, saturations: dict) -> dict:
+    from .planner.saturation import saturated_ratio
+    return {"model": shape.name, "hardware": hardware.to_dict(), "ratio": saturated_ratio(saturations),
+            "saturations": {engine: saturation.to_dict() for engine, saturation in saturations.items()}}
+
+
+def _describe_saturated(shape, hardware, request: PlanRequest, saturations: dict) -> str:
+    from .planner.saturation import saturated_ratio
+    names = {"greedysnake": "greedysnake" + (" (the paper's ideal model)" if request.ideal else " (the engine)"),
+             "zero_infinity": "ZeRO-Infinity"}
+    device = ("unknown: every configuration fits (the device is the host)" if hardware.device_memory_bytes is None
+              else f"{hardware.device_memory_bytes / GIB:.1f} GiB")
+    lines = [f"model {shape.name}: saturated throughput on {hardware.name}; device memory {device}; "
+             f"greedysnake's host-memory budget {budget_bytes(request) / GIB:.2f} GiB"]
+    for engine, saturation in saturations.items():
+        plateau, knee = saturation.plateau, saturation.saturation_point
+        lines += ["", f"{names[engine]}: saturated {plateau.tokens_per_second:.1f} tokens/s at micro-batch "
+                      f"{plateau.micro_batch_size} x M={plateau.micro_batches}; saturates (within {100 * saturation.knee:.0f}% "
+                      f"of that) at global batch {knee.global_batch} ({knee.tokens_per_second:.1f} tokens/s); "
+                      f"{len(saturation.points)} configurations fit, {len(saturation.refused)} do not",
+                  "| global batch | micro-batch x M | tokens/s | s/step | binds | device GiB |", "|---|---|---|---|---|---|"]
+        for point in saturation.curve:
+            mark = " (saturation point)" if point is knee else ""
+            lines.append(f"| {point.global_batch}{mark} | {point.micro_batch_size} x {point.micro_batches} | "
+                         f"{point.tokens_per_second:.1f} | {point.seconds:.3f} | {point.binding} | "
+                         f"{point.device.total / GIB:.2f} |")
+    lines += ["", f"ratio of the saturated throughputs, greedysnake over ZeRO-Infinity: {saturated_ratio(saturations):.2f}x"]
+    if hardware.layer_times:
+        lines.append(f"note: the probe timed the layers at {hardware.layer_times_for}; other micro-batch sizes are "
+                     "predicted from FLOP/s (docs/planner.md, limitations)")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
+        if not args.saturated and (args.micro_batch_sizes or args.ranks != 1):
+            raise PlannerError("--micro-batch-sizes and --ranks apply to --saturated only: add --saturated")
         ds_config = _load_config(args.config)
         shape = parse_layers(args.layers) if args.layers else named_shape(args.model or "gpt-small")
         with _stdout_to_stderr_if(args.json):
             hardware = _hardware(args, ds_config, shape)
         request = PlanRequest(shape, hardware, None if args.host_memory is None else args.host_memory * GIB,
                               args.micro_batches, args.modelled_placements, args.ideal, not args.zero_no_recompute)
+        if args.saturated:
+            with _stdout_to_stderr_if(args.json):
+                saturations = _sweep_saturated(args, ds_config, request)
+            print(json.dumps(_saturated_json(shape, hardware, saturations), indent=1) if args.json
+                  else _describe_saturated(shape, hardware, request, saturations))
+            return 0
         with _stdout_to_stderr_if(args.json):  # DeepSpeed logs to stdout; --json output must stay clean
             plans = plan_for_config(ds_config, request)
     except PlannerError as error:

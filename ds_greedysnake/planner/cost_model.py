@@ -245,13 +245,23 @@ class HorizontalSettings:
     prefetch: bool = False         # stage3_prefetch_bucket_size > 0: reads overlap compute
     reuse_recompute_fetch: bool = False  # stage3_max_reuse_distance > 0: backward reuses the recompute's fetch
     recompute: bool = True         # blocks wrapped in activation checkpointing (a fair baseline; the A/B does)
+    # What ZeRO-3 keeps on the device by its own rules (device_memory.py), DeepSpeed 0.19.8's defaults:
+    prefetch_bucket_elements: float = 5e7     # stage3_prefetch_bucket_size: parameters fetched ahead
+    persistence_threshold: float = 1e5        # stage3_param_persistence_threshold: smaller tensors stay resident
+    max_live_parameters: float = 1e9          # stage3_max_live_parameters: gathered parameters at most
+    reduce_bucket_elements: float = 5e8       # reduce_bucket_size: the gradient bucket
 
     @classmethod
     def from_ds_config(cls, ds_config: dict, recompute: bool = True) -> "HorizontalSettings":
         zero = ds_config.get("zero_optimization") or {}
         # DeepSpeed's defaults: prefetch bucket 5e7 elements, reuse distance 1e9.
-        return cls(prefetch=float(zero.get("stage3_prefetch_bucket_size", 5e7)) > 0,
-                   reuse_recompute_fetch=float(zero.get("stage3_max_reuse_distance", 1e9)) > 0, recompute=recompute)
+        bucket = float(zero.get("stage3_prefetch_bucket_size", 5e7))
+        return cls(prefetch=bucket > 0,
+                   reuse_recompute_fetch=float(zero.get("stage3_max_reuse_distance", 1e9)) > 0, recompute=recompute,
+                   prefetch_bucket_elements=bucket,
+                   persistence_threshold=float(zero.get("stage3_param_persistence_threshold", 1e5)),
+                   max_live_parameters=float(zero.get("stage3_max_live_parameters", 1e9)),
+                   reduce_bucket_elements=float(zero.get("reduce_bucket_size", 5e8)))
 
 
 def horizontal_phases(workload: Workload, hardware: Hardware, settings: HorizontalSettings) -> List[Phase]:
@@ -281,6 +291,10 @@ def horizontal_phases(workload: Workload, hardware: Hardware, settings: Horizont
             link = fetches * workload.param_bytes * layer.params + workload.checkpoint_bytes
             if sweep == "backward":
                 link += workload.param_bytes * layer.params  # the micro-batch's gradient, to host memory
+                # From the second micro-batch on, ZeRO-3 adds it on the device to the accumulated one it
+                # keeps in host memory (stage3.py partition_grads: copy in, add, copy back), in the
+                # accumulation dtype (DeepSpeed's default: the compute dtype).
+                link += 2 * workload.param_bytes * layer.params * (m - 1) / m
             rates.add_link(lanes, link)
             phases.append(Phase(f"{sweep}[{index}]", serial, lanes, repeat=m, serial_name="SSD read (no prefetch)"))
     for index, layer in enumerate(layers):

@@ -19,6 +19,11 @@ class LayerTimes:
     forward_backward_s: float
 
 
+# Where a hardware file's number may come from: the paper (arXiv 2512.17570, as restated in the design
+# notes), a vendor's data sheet, a measurement (the probe, on the machine it names), or an assumption.
+ASSUMPTION_SOURCES = ("paper", "vendor sheet", "measured", "assumed")
+
+
 @dataclass
 class Hardware:
     name: str
@@ -33,6 +38,12 @@ class Hardware:
     grad_handoff_elements_per_s: Optional[float] = None  # the engine's gradient hand-over (copy, fp64 norm)
     host_memory_bytes: Optional[float] = None            # default budget for the planner
     device_memory_bytes: Optional[float] = None
+    # What the device needs beyond the model's tensors (CUDA context, library workspaces, the allocator's
+    # fragmentation): subtracted from device_memory_bytes by the micro-batch search. None: 0.
+    device_workspace_bytes: Optional[float] = None
+    # Whether the attention kernel keeps the heads x seq x seq scores for backward (a plain softmax
+    # attention); False for a fused (flash) kernel such as scaled_dot_product_attention's on an A100.
+    device_attention_keeps_scores: bool = False
     # How the engine's transfers and its optimizer worker behave beyond the rates (the probe measures
     # them; absent in a file: no fixed cost, updates from the rates, no slow-down). A transfer through the engine's SsdStore costs
     # ``seconds_per_transfer + bytes / rate``: at the engine's layer-sized transfers the fixed part is
@@ -47,6 +58,9 @@ class Hardware:
     # one thread fewer over seconds with all of them; 1 when the device computes apart from the host.
     compute_slowdown_sharing_cores: Optional[float] = None
     notes: str = ""
+    # Where each number comes from: field (or "model.<what>") -> {"source": one of ASSUMPTION_SOURCES,
+    # "note": why this value}. Shown by scripts/plan_projection.py; checked by the unit tests.
+    assumptions: Dict[str, Dict[str, str]] = field(default_factory=dict)
     # Probe only: layer kind -> times, valid for ``layer_times_for`` (a workload key, see cost_model).
     layer_times: Dict[str, LayerTimes] = field(default_factory=dict)
     layer_times_for: str = ""
@@ -56,7 +70,7 @@ class Hardware:
                      "ssd_read_bytes_per_s_single", "ssd_write_bytes_per_s_single", "host_device_bytes_per_s",
                      "grad_handoff_elements_per_s",
                      "host_memory_bytes",
-                     "device_memory_bytes"):
+                     "device_memory_bytes", "device_workspace_bytes"):
             value = getattr(self, name)
             if value is None:
                 continue
@@ -72,6 +86,13 @@ class Hardware:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not math.isfinite(value) or value < 0):
                 raise PlannerError(f"hardware {self.name!r}: {name} must be a number >= 0, got {value!r}")
+        if not isinstance(self.device_attention_keeps_scores, bool):
+            raise PlannerError(f"hardware {self.name!r}: device_attention_keeps_scores must be true or false, "
+                               f"got {self.device_attention_keeps_scores!r}")
+        for key, entry in self.assumptions.items():
+            if not isinstance(entry, dict) or entry.get("source") not in ASSUMPTION_SOURCES:
+                raise PlannerError(f"hardware {self.name!r}: assumptions[{key!r}] must be an object with \"source\" "
+                                   f"one of {', '.join(ASSUMPTION_SOURCES)} and a \"note\", got {entry!r}")
         slowdown = self.compute_slowdown_sharing_cores
         if slowdown is not None and (isinstance(slowdown, bool) or not isinstance(slowdown, (int, float))
                                      or not math.isfinite(slowdown) or slowdown < 1):

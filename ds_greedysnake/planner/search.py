@@ -9,7 +9,7 @@ applied. The front layers' optimizer states (``optimizer_host_memory_mb``) are w
 is solved with as many of them in host memory as the budget holds, and with none.
 """
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 import numpy
 from scipy.optimize import linprog
@@ -136,10 +136,12 @@ def default_deferred_candidates(num_layers: int) -> List[int]:
 
 def best_plan_for(workload: Workload, hardware: Hardware, budget_bytes: float, zero_settings: HorizontalSettings,
                   engine: bool = True, modelled_shares: bool = False,
-                  splits: Optional[Iterable] = None, settings: EngineSettings = EngineSettings()) -> Plan:
+                  splits: Optional[Iterable] = None, settings: EngineSettings = EngineSettings(),
+                  phase_hook: Optional[Callable[[List[Phase]], None]] = None) -> Plan:
     """The best split and placement for one M. ``engine``: the engine as it is (split in layers),
     else the paper's ideal model (split alpha). ``modelled_shares``: let parameters and optimizer
-    states live in host memory too (modelled, not implemented by the engine)."""
+    states live in host memory too (modelled, not implemented by the engine). ``phase_hook``: called on
+    greedysnake's phases before they are solved (data parallelism adds its collectives there)."""
     memory = host_bytes(workload)
     free = SHARES if modelled_shares else ENGINE_SHARES
     layers = len(workload.shape.layers)
@@ -155,6 +157,8 @@ def best_plan_for(workload: Workload, hardware: Hardware, budget_bytes: float, z
                             if engine else [0]):
             phases = (engine_phases(workload, hardware, split, settings.overlap, host_layers) if engine
                       else ideal_vertical_phases(workload, hardware, split))
+            if phase_hook is not None:
+                phase_hook(phases)
             states = Linear(sum(slot_bytes(OPTIMIZER_BYTES_PER_PARAM * layer.params)
                                 for layer in workload.shape.layers[:host_layers]))
             shares = solve_placement(phases, memory + states, budget_bytes, free)

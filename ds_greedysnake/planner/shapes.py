@@ -4,7 +4,7 @@ No torch here: a shape is arithmetic on the GPT built by ``ds_greedysnake.models
 blocks, MLP ratio 4, untied head), split as the engine splits it: [embedding, blocks..., head].
 """
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 from .errors import PlannerError
 
@@ -17,6 +17,9 @@ class LayerShape:
     swapped_params: int         # in tensors ZeRO-3 swaps to NVMe (matrices; vectors stay in host memory)
     forward_flops_per_token: float
     checkpointed: bool          # the baseline recomputes it in backward (blocks only)
+    # Every parameter tensor's element count: ZeRO-3 keeps tensors at or under its persistence threshold
+    # on the device for the whole run (device_memory.py).
+    tensor_numels: Tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -56,9 +59,11 @@ def _gpt_layers(shape: GPTShape) -> List[LayerShape]:
     # Per token: 2 FLOPs per matrix weight, plus attention scores and the weighted sum (causal: half of
     # 2 * 2 * s * h on average, but the kernels run the full square on CPU; counted whole).
     block_flops = 2 * matrices + 4 * s * h
-    embedding = LayerShape("embedding", v * h + s * h, v * h, 0.0, False)
-    block = LayerShape("block", matrices + vectors, matrices, float(block_flops), True)
-    head = LayerShape("head", 2 * h + v * h, v * h, float(2 * v * h), False)
+    block_tensors = (h, h, 3 * h * h, 3 * h, h * h, h, h, h, r * h * h, r * h, r * h * h, h)
+    assert sum(block_tensors) == matrices + vectors
+    embedding = LayerShape("embedding", v * h + s * h, v * h, 0.0, False, (v * h, s * h))
+    block = LayerShape("block", matrices + vectors, matrices, float(block_flops), True, block_tensors)
+    head = LayerShape("head", 2 * h + v * h, v * h, float(2 * v * h), False, (h, h, v * h))
     return [embedding] + [block] * shape.num_blocks + [head]
 
 
