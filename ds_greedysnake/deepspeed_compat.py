@@ -10,13 +10,14 @@ import contextlib
 import os
 import resource
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
 import deepspeed
 from deepspeed.accelerator import get_accelerator
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 from deepspeed.ops.op_builder import AsyncIOBuilder
+from deepspeed.runtime import constants as ds_constants
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.swap_tensor import partitioned_param_swapper
@@ -33,6 +34,7 @@ _RELIED_ON = [
     (DeepSpeedCPUAdam, "ds_opt_adam"),
     (DeepSpeedCPUAdam, "opt_id"),
     (partitioned_param_swapper, "swap_in_tensors"),
+    (ds_constants, "GRADIENT_CLIPPING_DEFAULT"),
 ]
 
 
@@ -56,6 +58,11 @@ def check_deepspeed_internals() -> None:
 
 
 # ----------------------------------------------------------------------------- engine construction
+
+
+def default_gradient_clipping() -> float:
+    """What DeepSpeed clips at when ds_config has no "gradient_clipping" (1.0 in 0.19.8, 0 before)."""
+    return float(ds_constants.GRADIENT_CLIPPING_DEFAULT)
 
 
 def parsed_ds_config(ds_config: Dict[str, Any], mpu=None) -> DeepSpeedConfig:
@@ -88,6 +95,27 @@ class EngineBase(DeepSpeedEngine):
     @property
     def ds_config_dict(self) -> Dict[str, Any]:
         return self._config._param_dict
+
+
+@contextlib.contextmanager
+def deepspeed_initialize_routed(route: Callable) -> Iterator[None]:
+    """While the block runs, ``deepspeed.initialize(**kwargs)`` returns ``route(original, **kwargs)``.
+
+    HF Trainer's engine is built by accelerate's ``Accelerator._prepare_deepspeed``, which looks
+    ``deepspeed.initialize`` up at call time (accelerate 1.15): this is how GreedySnakeTrainer hands it
+    the greedysnake engine without changing accelerate. ``route`` calls ``original`` for what it does
+    not take over.
+    """
+    original = deepspeed.initialize
+
+    def routed(*args, **kwargs):
+        return route(original, *args, **kwargs)
+
+    deepspeed.initialize = routed
+    try:
+        yield
+    finally:
+        deepspeed.initialize = original
 
 
 # ----------------------------------------------------------------------------- models built under zero.Init
