@@ -3,5 +3,16 @@ from .config import GreedySnakeConfig, GreedySnakeConfigError
 from .initialize import initialize
 from .model_split import ModelSplitError
 
-__all__ = ["initialize", "GreedySnakeConfig", "GreedySnakeConfigError", "ModelSplitError"]
+__all__ = ["initialize", "GreedySnakeConfig", "GreedySnakeConfigError", "ModelSplitError", "GreedySnakeTrainer",
+           "GreedySnakeTrainerMixin"]
 __version__ = "0.1.0"
+
+_HF_TRAINER_NAMES = ("GreedySnakeTrainer", "GreedySnakeTrainerMixin")
+
+
+def __getattr__(name):
+    # Imported on first use: transformers' Trainer (and accelerate) take seconds to import.
+    if name in _HF_TRAINER_NAMES:
+        from . import hf_trainer
+        return getattr(hf_trainer, name)
+    raise AttributeError(f"module 'ds_greedysnake' has no attribute {name!r}")
