@@ -23,6 +23,7 @@ accelerate 1.15):
   ``compute_metrics`` and ``predict()`` are refused.
 """
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -114,6 +115,32 @@ def non_embedding_parameters(model: torch.nn.Module) -> int:
     return sum(logical_shape(param).numel() for name, param in model.named_parameters() if name not in embeddings)
 
 
+def count_every_rank_on_the_cpu(training_args) -> None:
+    """Give accelerate the number of ranks DeepSpeed runs on the CPU accelerator.
+
+    accelerate 1.15's DeepSpeed path picks no communication backend where there is no GPU, and a state
+    without a backend counts one process, although DeepSpeed has set torch.distributed up for all of them:
+    Trainer would give every rank the whole dataset and never sum a token count over ranks. Under DeepSpeed
+    on the CPU, the counts are taken from torch.distributed (for greedysnake and for ZeRO-Infinity alike).
+    """
+    if getattr(training_args, "deepspeed_plugin", None) is None or get_accelerator().device_name() != "cpu":
+        return
+    from accelerate.state import PartialState
+    training_args.device  # sets up accelerate's state (and DeepSpeed's process group)
+    if not torch.distributed.is_initialized():
+        return
+    state = PartialState()
+    world_size = torch.distributed.get_world_size()
+    if state.num_processes == world_size:
+        return
+    state.backend = torch.distributed.get_backend()
+    state.num_processes = world_size
+    state.process_index = torch.distributed.get_rank()
+    state.local_process_index = int(os.environ.get("LOCAL_RANK", state.process_index))
+    logger.info(f"accelerate counted 1 process under DeepSpeed on the CPU; set to the {world_size} ranks of "
+                "torch.distributed")
+
+
 @dataclass
 class _Window:
     """The micro-batches Trainer fetched for one optimizer step, and how far training_step got in them."""
@@ -137,6 +164,12 @@ class GreedySnakeTrainerMixin:
     _greedysnake_flops_parameters: int = 0
 
     # ------------------------------------------------------------------ set-up
+
+    def __init__(self, *args, **kwargs):
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if training_args is not None:
+            count_every_rank_on_the_cpu(training_args)
+        super().__init__(*args, **kwargs)
 
     def greedysnake_enabled(self) -> bool:
         """Whether DeepSpeed is on and its config's "greedysnake" block enables the engine."""
