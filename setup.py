@@ -8,9 +8,10 @@ setup(
     python_requires=">=3.10",
     # DeepSpeed is pinned: deepspeed_compat.py relies on private pieces checked against this release.
     # transformers is pinned: ds_greedysnake/models/hf.py's split was checked against this release.
+    # safetensors: Hugging Face checkpoints in (pretrained.py) and out (export.py), a layer at a time.
     # accelerate is pinned: GreedySnakeTrainer (hf_trainer.py) relies on how its DeepSpeed preparation
     # calls deepspeed.initialize, checked against this release. Installed with the rest (set-up runs
     # `pip install -e .`), so that `from ds_greedysnake import GreedySnakeTrainer` works everywhere.
     install_requires=["deepspeed==0.19.8", "torch>=2.4", "numpy", "pytest", "matplotlib", "scipy>=1.10",
-                      "transformers==5.24.0", "accelerate==1.15.0", "tqdm"],
+                      "transformers==5.24.0", "accelerate==1.15.0", "tqdm", "safetensors"],
 )

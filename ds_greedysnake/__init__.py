@@ -2,9 +2,11 @@
 from .config import GreedySnakeConfig, GreedySnakeConfigError
 from .initialize import initialize
 from .model_split import ModelSplitError
+from .pretrained import PretrainedWeightsError, from_pretrained
+from .weights import WeightsAccessError
 
-__all__ = ["initialize", "GreedySnakeConfig", "GreedySnakeConfigError", "ModelSplitError", "GreedySnakeTrainer",
-           "GreedySnakeTrainerMixin"]
+__all__ = ["initialize", "from_pretrained", "GreedySnakeConfig", "GreedySnakeConfigError", "ModelSplitError",
+           "PretrainedWeightsError", "WeightsAccessError", "GreedySnakeTrainer", "GreedySnakeTrainerMixin"]
 __version__ = "0.1.0"
 
 _HF_TRAINER_NAMES = ("GreedySnakeTrainer", "GreedySnakeTrainerMixin")

@@ -145,3 +145,33 @@ class CheckpointReader:
         except (OSError, RuntimeError, EOFError) as error:
             raise CheckpointError(f"cannot read {path}: {error}") from None
 
+
+
+def read_full_layer(load_dir: str, tag: str, index: int, numel: int) -> LayerState:
+    """Layer ``index``'s full fp32 master weights and Adam moments (its first ``numel`` elements),
+    gathered from every saved rank's shard: for tools that read a checkpoint outside training
+    (``python -m ds_greedysnake.export``). Holds one layer at a time."""
+    folder = os.path.join(load_dir, tag)
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"checkpoint {folder} does not exist")
+
+    def load(name: str) -> Dict[str, Any]:
+        path = os.path.join(folder, name)
+        try:
+            # Memory-mapped: what the caller never touches (an export leaves the moments) is never read.
+            return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        except (OSError, RuntimeError, EOFError) as error:
+            raise CheckpointError(f"cannot read {path}: {error}") from None
+
+    world_size = load("state.rank0.pt")["world_size"]
+    shards = [load(f"layer_{index}.rank{rank}.pt") for rank in range(world_size)]
+    parts = []
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        pieces = [shard[key].reshape(-1) for shard in shards]
+        full = pieces[0] if world_size == 1 else torch.cat(pieces)
+        # Each rank saved ceil(numel / world_size) elements, the last one zero-padded.
+        if not numel <= full.numel() < numel + world_size:
+            raise CheckpointError(f"layer {index} in {folder} holds {full.numel()} elements over {world_size} "
+                                  f"rank(s), the model's layer has {numel}: not this model's checkpoint")
+        parts.append(full[:numel])
+    return LayerState(*parts)

@@ -30,6 +30,7 @@ CHECKED_DEEPSPEED_VERSION = "0.19.8"
 _RELIED_ON = [
     (DeepSpeedEngine, "_configure_optimizer"),
     (DeepSpeedEngine, "_configure_lr_scheduler"),
+    (DeepSpeedEngine, "_broadcast_model"),
     (DeepSpeedEngine, "_config"),
     (DeepSpeedCPUAdam, "ds_opt_adam"),
     (DeepSpeedCPUAdam, "opt_id"),
@@ -92,6 +93,15 @@ class EngineBase(DeepSpeedEngine):
     def build_optimizer(self):
         raise NotImplementedError
 
+    # The subclass says so when every rank reads the initial weights from the same files
+    # (initialize(pretrained=...)): the module then holds empty placeholders, nothing to broadcast.
+    weights_come_from_files = False
+
+    def _broadcast_model(self):
+        if self.weights_come_from_files:
+            return
+        super()._broadcast_model()
+
     @property
     def ds_config_dict(self) -> Dict[str, Any]:
         return self._config._param_dict
@@ -126,8 +136,15 @@ def is_zero3_parameter(param: torch.nn.Parameter) -> bool:
 
 
 def logical_shape(param: torch.nn.Parameter) -> torch.Size:
-    """The full shape, also for a zero.Init parameter whose .data is an empty partition placeholder."""
-    return param.ds_shape if is_zero3_parameter(param) else param.shape
+    """The full shape, also for a parameter whose .data is an empty placeholder (zero.Init's partitions,
+    greedysnake's own placeholders)."""
+    return param.ds_shape if hasattr(param, "ds_shape") else param.shape
+
+
+def mark_full_shape(param: torch.nn.Parameter, shape: torch.Size) -> None:
+    """Record the full shape of a parameter about to hold an empty placeholder, where zero.Init records it."""
+    param.ds_shape = torch.Size(shape)
+    param.ds_numel = torch.Size(shape).numel()
 
 
 def gathered(params):
@@ -150,6 +167,36 @@ def drop_zero3_partition(param: torch.nn.Parameter) -> None:
     if partition is not None:
         partition.data = torch.empty(0, dtype=partition.dtype, device=partition.device)
     param.ds_status = ZeroParamStatus.AVAILABLE
+
+
+# Far above the ids zero.Init hands out (a counter from 0), so the two never meet.
+_GATHERABLE_ID_BASE = 1 << 40
+
+
+def make_gatherable(shapes: Dict[torch.nn.Parameter, torch.Size], group, gather: Callable, release: Callable) -> None:
+    """Let ``deepspeed.zero.GatheredParameters`` reach weights greedysnake keeps on SSD.
+
+    DeepSpeed's context (0.19.8) acts on the parameters that have ``ds_id``: on entry it calls
+    ``params[0].all_gather(param_list=...)``; on exit, after broadcasting from ``modifier_rank`` over
+    each parameter's ``ds_process_group``, ``params[0].partition(param_list=..., has_been_updated=...)``.
+    zero.Init gives its parameters these; the vertical engine owns the weights instead, so it gives
+    every parameter its own (``gather(params)``, ``release(params, has_been_updated)``), and plain
+    parameters the marks of a ZeRO-3 one (full shape and numel, as HF and PEFT count them).
+    """
+    for number, (param, shape) in enumerate(shapes.items()):
+        if not is_zero3_parameter(param):
+            param.ds_id = _GATHERABLE_ID_BASE + number
+            mark_full_shape(param, shape)
+            param.ds_process_group = group
+        param.ds_status = ZeroParamStatus.AVAILABLE
+
+        def all_gather(param_list=None, async_op=False, hierarchy=None, _param=param):
+            gather(param_list if param_list is not None else [_param])
+
+        def partition(param_list=None, hierarchy=None, has_been_updated=False, free_data=True, _param=param):
+            release(param_list if param_list is not None else [_param], has_been_updated)
+
+        param.all_gather, param.partition = all_gather, partition
 
 
 # ----------------------------------------------------------------------------- async I/O

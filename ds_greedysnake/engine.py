@@ -13,12 +13,15 @@ from .checkpoint import CheckpointReader, CheckpointWriter, resolve_tag
 from .config import GreedySnakeConfig
 from .deepspeed_compat import EngineBase, accelerator_device
 from .executor import Executor, StepResult
-from .layer import BufferPool, LayerOwner
+from .export import write_hf_checkpoint
+from .layer import BufferPool, LayerOwner, Residency
 from .parallel import DataParallel
 from .schedule import layers_updated_after_decision
 from .model_split import plan_split
 from .optimizer import LayerwiseAdam
+from .pretrained import PretrainedWeights
 from .ssd import IoCounters, SsdStore, SwapFolderLock, padded_size
+from .weights import LayerParams, LayerSource, ModuleWeightAccess, WeightPlan, as_dtype
 
 
 @dataclass
@@ -56,17 +59,21 @@ class StepMetrics:
 class _Setup:
     """Arguments the subclass needs inside DeepSpeed's constructor (kept off nn.Module attributes)."""
 
-    def __init__(self, config: GreedySnakeConfig, loss_fn: Callable, nvme_path: str):
+    def __init__(self, config: GreedySnakeConfig, loss_fn: Callable, nvme_path: str,
+                 pretrained: Optional[PretrainedWeights] = None):
         self.config, self.loss_fn, self.nvme_path = config, loss_fn, nvme_path
+        self.pretrained = pretrained  # initial weights from a pretrained folder instead of the module's
 
 
 class GreedySnakeEngine(EngineBase):
 
-    def __init__(self, greedysnake_config: GreedySnakeConfig, loss_fn: Callable, nvme_path: str, **ds_kwargs):
-        self._setup = _Setup(greedysnake_config, loss_fn, nvme_path)
+    def __init__(self, greedysnake_config: GreedySnakeConfig, loss_fn: Callable, nvme_path: str,
+                 pretrained: Optional[PretrainedWeights] = None, **ds_kwargs):
+        self._setup = _Setup(greedysnake_config, loss_fn, nvme_path, pretrained)
         self.io_counters = IoCounters()
         self.last_step_metrics: Optional[StepMetrics] = None
         super().__init__(**ds_kwargs)
+        self._install_weight_access()
 
     # Called by DeepSpeed's constructor once the model is placed and cast.
     def build_optimizer(self) -> LayerwiseAdam:
@@ -110,7 +117,7 @@ class GreedySnakeEngine(EngineBase):
         pool = BufferPool(param_store, max(padded_size(layer.shard_bytes) for layer in self.layers),
                           count=1 + prefetch_depth + (1 if split.ties else 0))
         for layer in self.layers:
-            shard = layer.layout.own_shard(layer.flat_parameters())
+            shard = layer.layout.own_shard(self._initial_flat_weights(layer))
             optimizer.initialise_layer(layer, shard.float())
             layer.offload(param_store, pool, shard)
         budget = int(setup.config.activation_host_memory_mb * 2**20)
@@ -118,6 +125,15 @@ class GreedySnakeEngine(EngineBase):
         self.executor = Executor(self.layers, self.activations, optimizer, setup.loss_fn, accumulate_dtype,
                                  setup.config.prefetch, overlap, deferred, prefetch_depth)
         return optimizer
+
+    def _initial_flat_weights(self, layer: LayerOwner) -> torch.Tensor:
+        if self._setup.pretrained is None:
+            return layer.flat_parameters()
+        return self._setup.pretrained.flat_weights(layer.params, self.compute_dtype)
+
+    @property
+    def weights_come_from_files(self) -> bool:
+        return self._setup.pretrained is not None
 
     def _lend_tied_parameters(self, split) -> None:
         # Across ranks too: every rank fetches the lender with the borrower at the same point of the
@@ -194,6 +210,57 @@ class GreedySnakeEngine(EngineBase):
                 result[names[param]] = flat[offset:offset + shape.numel()].view(shape).clone()
                 offset += shape.numel()
         return result
+
+    # ------------------------------------------------------------------ the weights, out
+
+    def _install_weight_access(self) -> None:
+        """engine.module.state_dict() and GatheredParameters over engine.module read the weights on SSD (weights.py)."""
+        source = LayerSource([LayerParams(layer.params, layer.param_shapes) for layer in self.layers],
+                             self._read_full_master, collective=self.parallel.world_size > 1)
+        self.weight_plan = WeightPlan(self.module, source)
+        self._weight_access = ModuleWeightAccess(
+            self.module, self.weight_plan, self.compute_dtype, accelerator_device(), self.parallel.world_size,
+            lambda index: self.layers[index].state == Residency.RESIDENT, self.data_parallel_group)
+
+    def _read_full_master(self, index: int) -> torch.Tensor:
+        layer = self.layers[index]
+        shard = self.optimizer.read_master(layer)  # pending updates first
+        if self.parallel.world_size > 1:
+            shard = self.parallel.gather(shard.to(self.parallel.device), layer.layout).cpu()  # NCCL: device tensors
+        return shard[:layer.numel]
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        """The gradient norm of the last step (before clipping); None before the first."""
+        return None if self.last_step_metrics is None else self.last_step_metrics.global_grad_norm
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
+        """DeepSpeed's consolidated state dict: every state_dict() key in the compute dtype (bf16 under bf16,
+        fp32 under fp32), tied keys sharing one tensor, on rank 0 (None elsewhere); read one layer at a time.
+        Every rank calls it. greedysnake has no frozen parameters, so ``exclude_frozen_parameters`` changes nothing."""
+        self.flush()
+        return self.weight_plan.state_dict(self.compute_dtype, keep=lambda: self.global_rank == 0)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's save_16bit_model: rank 0 torch.saves the consolidated state dict (it holds the whole
+        model in the compute dtype; engine.save_pretrained holds one layer). Every rank calls it."""
+        state_dict = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+        if self.global_rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            torch.save(state_dict, os.path.join(save_dir, save_filename))
+        self.parallel.barrier()
+        return True
+
+    def save_pretrained(self, save_directory: str, max_shard_size="1GB", dtype=None):
+        """The model as a Hugging Face checkpoint: sharded safetensors, their index, config.json (and the
+        generation config), loadable with AutoModelForCausalLM.from_pretrained. One layer and one shard
+        are in host memory at a time. ``dtype``: the compute dtype by default; ``torch.float32`` gives the
+        fp32 master weights under bf16. Every rank calls it; rank 0 writes. Returns the weight files."""
+        self.flush()
+        files = write_hf_checkpoint(self.weight_plan, save_directory, as_dtype(dtype, self.compute_dtype),
+                                    max_shard_size, writer=self.global_rank == 0)
+        self.parallel.barrier()
+        return files
 
     def save_checkpoint(self, save_dir: str, tag=None, client_state: Optional[dict] = None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False) -> bool:

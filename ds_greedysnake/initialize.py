@@ -14,6 +14,7 @@ from .config import check_ds_config, parse_greedysnake_config
 from .deepspeed_compat import parsed_ds_config, remove_shm_buffer_at_exit
 from .engine import GreedySnakeEngine
 from .model_split import split_model
+from .pretrained import PretrainedWeights, leave_meta_device
 
 
 def load_config(config: Any) -> Dict[str, Any]:
@@ -27,12 +28,16 @@ def load_config(config: Any) -> Dict[str, Any]:
 
 def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_parameters=None,
                training_data=None, lr_scheduler=None, mpu=None, dist_init_required: Optional[bool] = None,
-               collate_fn=None, config=None, loss_fn: Callable = None):
+               collate_fn=None, config=None, loss_fn: Callable = None, pretrained: Optional[str] = None):
     """Returns ``(engine, optimizer, training_dataloader, lr_scheduler)`` like deepspeed.initialize.
 
     With ``"greedysnake": {"enabled": true}`` the engine is the vertical GreedySnakeEngine; otherwise
     it is DeepSpeed's own engine (ZeRO-Infinity for the same config) with a ``train_batch`` that runs
     the ordinary horizontal loop, so one script compares both.
+
+    ``pretrained``: a Hugging Face folder of safetensors weights to start from instead of the model's
+    own, read one layer at a time into the SSD regions (pretrained.py); the model may then have its
+    parameters on the meta device (``ds_greedysnake.pretrained.empty_model(folder)``).
     """
     if model is None:
         raise ValueError("initialize needs a model")
@@ -43,6 +48,15 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
     remove_shm_buffer_at_exit()
     common = dict(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                   training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu, collate_fn=collate_fn)
+    if pretrained is not None and not greedysnake_config.enabled:
+        raise ValueError(f"pretrained={pretrained!r} needs the greedysnake engine "
+                         "(\"greedysnake\": {\"enabled\": true}); for DeepSpeed's own engine load the model with "
+                         "AutoModelForCausalLM.from_pretrained")
+    meta = [name for name, param in model.named_parameters() if param.is_meta]
+    if meta and pretrained is None:
+        raise ValueError(f"parameters {meta[:3]} of {type(model).__name__} are on the meta device (no weights): "
+                         "pass pretrained=\"<folder with the safetensors weights>\" to initialize, or build the "
+                         "model with weights")
     if not greedysnake_config.enabled:
         engine, engine_optimizer, loader, scheduler = deepspeed.initialize(
             dist_init_required=dist_init_required, config=ds_config, **common)
@@ -50,12 +64,17 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
         return engine, engine_optimizer, loader, scheduler
     nvme_path = check_ds_config(ds_config, get_accelerator().device_name())
     modules = split_model(model)  # a model that cannot be split fails here, before any DeepSpeed set-up
+    weights = None
+    if pretrained is not None:
+        weights = PretrainedWeights(pretrained, model)  # checked here too, before any weight is read
+        leave_meta_device(model, torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else torch.float32)
     if greedysnake_config.auto:
         ds_config, greedysnake_config = _apply_plan(ds_config, modules, nvme_path)
     dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                           dist_init_required=dist_init_required,
                           timeout=timedelta(seconds=greedysnake_config.collective_timeout_seconds))
-    engine = GreedySnakeEngine(greedysnake_config, loss_fn, nvme_path, dist_init_required=dist_init_required,
+    engine = GreedySnakeEngine(greedysnake_config, loss_fn, nvme_path, pretrained=weights,
+                               dist_init_required=dist_init_required,
                                config=ds_config, config_class=parsed_ds_config(ds_config, mpu), **common)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 

@@ -233,8 +233,17 @@ class LayerwiseAdam(torch.optim.Optimizer):
         self.updater.drain()
 
     def read_master(self, layer: LayerOwner) -> torch.Tensor:
-        """A copy of a layer's fp32 master weights (for checks and gathering the full model)."""
-        return self.read_layer_state(layer).master
+        """A copy of a layer's fp32 master weights (for checks and exporting the model), without its moments:
+        an export holds one layer's weights, not three times that."""
+        self.flush()
+        if layer.index not in self._state_regions:
+            return self.host.optimizer_states.slot(layer.index, 3 * layer.shard_numel)[:layer.shard_numel].clone()
+        master = torch.empty(layer.shard_numel, dtype=torch.float32)
+        pieces = self._state_regions[layer.index][self._state_slot[layer.index]]
+        for region, (start, stop) in zip(pieces, piece_ranges(layer.shard_numel, self._piece_numel)):
+            self._store.read(region, self._state_buffer)
+            master[start:stop].copy_(self._state_buffer[:4 * (stop - start)].view(torch.float32))
+        return master
 
     def read_layer_state(self, layer: LayerOwner) -> LayerState:
         """Copies of a layer's committed fp32 master weights and Adam moments."""

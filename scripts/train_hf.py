@@ -3,11 +3,14 @@
     deepspeed --num_gpus 1 scripts/train_hf.py --family llama --hidden 1024 --layers 8 --steps 5
     python scripts/train_hf.py --family gpt2 --hidden 256 --layers 4          # one process, no launcher
     python scripts/train_hf.py --config-path saved_model_dir                   # a saved config (and weights)
+    python scripts/train_hf.py --config-path saved_model_dir --save-pretrained out_dir   # trained weights out
     python scripts/train_hf.py --family llama --baseline                       # DeepSpeed's ZeRO-Infinity
 
-The model is built from a transformers config with random weights (or loaded from --config-path when
-that folder holds weights). Data: a 1-D tensor of token ids saved with torch.save (--data), or a
-generated corpus. A tqdm bar shows loss, tokens/s and SSD GB/s (greedysnake: bytes counted at its aio
+The model is built from a transformers config with random weights, or starts from the safetensors
+weights in --config-path: greedysnake reads them one layer at a time straight into its SSD regions
+(ds_greedysnake.pretrained; the model never has to fit in host memory). --save-pretrained writes the
+trained model as a Hugging Face checkpoint, one layer in memory at a time. Data: a 1-D tensor of
+token ids saved with torch.save (--data), or a generated corpus. A tqdm bar shows loss, tokens/s and SSD GB/s (greedysnake: bytes counted at its aio
 layer; --baseline: the process's /proc I/O counters). --checkpoint-every N saves with the engine's
 save_checkpoint. At the end one JSON line reports peak resident memory (of the set-up and of the
 training steps, this process and its optimizer worker) and step times.
@@ -60,6 +63,8 @@ def parse_args():
     parser.add_argument("--baseline", action="store_true", help="DeepSpeed's ZeRO-Infinity instead of greedysnake")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (0: never)")
     parser.add_argument("--checkpoint-dir", default=None, help="default: <nvme-path>/checkpoints")
+    parser.add_argument("--save-pretrained", default=None, help="after training, write the model here as a "
+                        "Hugging Face checkpoint (safetensors shards + config)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--local_rank", type=int, default=0, help="set by the deepspeed launcher")
     return parser.parse_args()
@@ -89,11 +94,24 @@ def model_config(args):
                                       attention_dropout=args.dropout, **common)
 
 
+def pretrained_folder(args):
+    """--config-path when it holds safetensors weights greedysnake can stream in, else None."""
+    if args.baseline or not args.config_path:
+        return None
+    return args.config_path if any(name.endswith(".safetensors") for name in os.listdir(args.config_path)) else None
+
+
 def build_model(args, ds_config):
     """Random init from the config (or the saved weights), in the compute dtype, in train mode."""
     from transformers import AutoModelForCausalLM
     config = model_config(args)
     dtype = torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else torch.float32
+    if pretrained_folder(args):
+        # Parameters on the meta device: initialize(pretrained=...) reads the weights layer by layer.
+        from ds_greedysnake.pretrained import empty_model
+        model = empty_model(config, dtype)
+        model.config.use_cache = False
+        return model
     has_weights = args.config_path and any(name.endswith((".safetensors", ".bin")) for name in os.listdir(args.config_path))
     torch.manual_seed(args.seed)
 
@@ -182,6 +200,9 @@ def memory_snapshot() -> dict:
 
 def main():
     args = parse_args()
+    if args.save_pretrained and args.baseline:
+        raise SystemExit("--save-pretrained writes greedysnake's weights; with --baseline use DeepSpeed's "
+                         "save_16bit_model (stage3_gather_16bit_weights_on_model_save) instead")
     config = build_config(args)
     if args.fp32:
         config.pop("bf16", None)
@@ -191,7 +212,7 @@ def main():
     model = build_model(args, config)
     parameters = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     engine, _, _, _ = ds_greedysnake.initialize(model=model, model_parameters=model.parameters(), config=config,
-                                                loss_fn=hf_causal_lm_loss)
+                                                loss_fn=hf_causal_lm_loss, pretrained=pretrained_folder(args))
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     micro_batch_size, num_micro_batches = config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]
     setup_memory = memory_snapshot()
@@ -225,6 +246,11 @@ def main():
         if args.checkpoint_every and step % args.checkpoint_every == 0:
             engine.save_checkpoint(checkpoint_dir, tag=f"step{step}")
     training_memory = memory_snapshot()
+    if args.save_pretrained:
+        engine.module.config.use_cache = True  # off for training; generation expects it on
+        engine.save_pretrained(args.save_pretrained)
+        if rank == 0:
+            print(f"saved the trained model to {args.save_pretrained}", flush=True)
     if hasattr(engine, "close"):
         engine.close()
     if rank == 0:

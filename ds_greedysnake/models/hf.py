@@ -14,7 +14,7 @@ output embeddings the head uses the embedding's weight: model_split records that
 """
 import copy
 import inspect
-from typing import List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -24,6 +24,10 @@ from ..model_split import ModelSplitError
 # The only per-family hint: attribute names under which a decoder stack keeps its rotary module
 # (a parameterless module; several families share the name).
 _ROTARY_ATTRIBUTES = ("rotary_emb",)
+# What HfBlock builds for every block besides the hidden state (position_embeddings where there is a rotary module).
+_BUILT_INPUTS = ("attention_mask", "position_ids", "use_cache")
+# What a stack hands its blocks for generation with a cache only: training on full windows needs none of it.
+_CACHE_INPUTS = ("past_key_values", "past_key_value", "layer_past", "cache", "cache_position")
 
 
 def is_hf_causal_lm(model: nn.Module) -> bool:
@@ -63,13 +67,14 @@ def hf_layers(model: nn.Module) -> List[nn.Module]:
     stack_name, blocks_name = _find_blocks(model)
     stack = model.get_submodule(stack_name)
     blocks = getattr(stack, blocks_name)
-    before, after = _trace_stack_children(model, stack_name, blocks_name)
+    rotary = _find_rotary(stack, blocks[0])
+    before, after, block_call = _trace_stack_children(model, stack_name, blocks_name)
+    builders, constants = _block_inputs(model, stack, blocks[0], block_call, rotary is not None)
     head_chain = [getattr(stack, child) for child in after]
     input_modules = {child: getattr(stack, child) for child in before}
-    rotary = _find_rotary(stack, blocks[0])
     entry = model.base_model if model.base_model is not model else stack
     layers: List[nn.Module] = [HfInputLayer(entry, input_modules, blocks[0])]
-    layers += [HfBlock(block, config, rotary) for block in blocks]
+    layers += [HfBlock(block, config, rotary, builders, constants) for block in blocks]
     layers.append(HfHead(head_chain, lm_head))
     return layers
 
@@ -92,15 +97,19 @@ def _find_blocks(model: nn.Module):
 
 def _trace_stack_children(model: nn.Module, stack_name: str, blocks_name: str):
     """Names of the stack's children called before the first block and after the last one, in call order,
-    from one forward of a parameterless copy of the model on the meta device."""
+    and the (args, kwargs) the first block was called with, from one forward of a parameterless copy of
+    the model on the meta device."""
     with torch.device("meta"):
         twin = type(model)(copy.deepcopy(model.config))
     stack = twin.get_submodule(stack_name)
     calls = []
+    block_calls = []
     handles = [child.register_forward_hook(lambda *_, name=name: calls.append(name))
                for name, child in stack.named_children() if name != blocks_name]
     handles += [block.register_forward_hook(lambda *_: calls.append(blocks_name))
                 for block in getattr(stack, blocks_name)]
+    handles.append(getattr(stack, blocks_name)[0].register_forward_pre_hook(
+        lambda _module, args, kwargs: block_calls.append((args, kwargs)), with_kwargs=True))
     try:
         # use_cache: without a cache, the mask code inspects position ids by value, which meta tensors lack.
         twin(input_ids=torch.zeros(1, 4, dtype=torch.long, device="meta"), use_cache=True)
@@ -122,7 +131,64 @@ def _trace_stack_children(model: nn.Module, stack_name: str, blocks_name: str):
     if len(set(after)) != len(after):
         raise ModelSplitError(f"{type(model).__name__} calls {after} after its blocks; a chain of distinct "
                               "modules is needed")
-    return before, after
+    return before, after, block_calls[0]
+
+
+def _alibi_builder(stack: nn.Module):
+    """ALiBi biases (BLOOM): the stack exposes build_alibi_tensor(attention_mask, num_heads, dtype)."""
+    build, num_heads = getattr(stack, "build_alibi_tensor", None), getattr(stack, "num_heads", None)
+    if not callable(build) or not isinstance(num_heads, int):
+        return None
+    return lambda hidden: build(torch.ones(hidden.shape[:2], dtype=torch.long, device=hidden.device), num_heads,
+                                dtype=hidden.dtype)
+
+
+# Inputs a stack computes in its forward for every block, and how to build them where the stack says how.
+_INPUT_BUILDERS = {"alibi": _alibi_builder}
+
+
+def _block_inputs(model: nn.Module, stack: nn.Module, block: nn.Module, call, has_rotary: bool):
+    """What HfBlock must add to the hidden state for this block: builders of inputs the stack computes
+    (``{name: hidden -> value}``) and constants (a required input the stack passes as None or a flag).
+    ModelSplitError, naming the model and the input, for any other input the block needs: better at
+    initialize than a TypeError mid-step."""
+    signature = inspect.signature(block.forward)
+    named = [p for p in signature.parameters.values()
+             if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    built = set(_BUILT_INPUTS) | ({"position_embeddings"} if has_rotary else set())
+    args, kwargs = call
+    try:
+        passed = dict(signature.bind_partial(*args, **kwargs).arguments)
+    except TypeError as error:
+        raise ModelSplitError(f"{type(model).__name__} calls its block {type(block).__name__} in a way its "
+                              f"signature does not bind ({error})") from error
+    for extra in signature.parameters.values():
+        if extra.kind == inspect.Parameter.VAR_KEYWORD:
+            passed.update(passed.pop(extra.name, {}))
+        elif extra.kind == inspect.Parameter.VAR_POSITIONAL and not passed.get(extra.name):
+            passed.pop(extra.name, None)
+    hidden_name = named[0].name if named else None
+    builders, constants = {}, {}
+    for name, value in passed.items():
+        if name in (hidden_name, *built, *_CACHE_INPUTS):
+            continue
+        if value is None or isinstance(value, bool):
+            constants[name] = value  # replayed below only where the block requires the argument
+            continue
+        builder = _INPUT_BUILDERS[name](stack) if name in _INPUT_BUILDERS else None
+        if builder is None:
+            raise ModelSplitError(
+                f"{type(model).__name__}: its stack's forward passes each decoder block ({type(block).__name__}) the "
+                f"input '{name}' ({type(value).__name__}), which greedysnake's split does not build (it builds "
+                f"{sorted(built)} from the hidden state); give the model a greedysnake_layers() method instead")
+        builders[name] = builder
+    required = [p.name for p in named[1:] if p.default is inspect.Parameter.empty and p.name not in built]
+    missing = [name for name in required if name not in builders and name not in constants]
+    if missing:
+        raise ModelSplitError(f"{type(model).__name__}: its decoder block {type(block).__name__} requires the input(s) "
+                              f"{missing}, which greedysnake's split does not build (it builds {sorted(built)}); "
+                              "give the model a greedysnake_layers() method instead")
+    return builders, {name: constants[name] for name in required if name in constants}
 
 
 def _find_rotary(stack: nn.Module, first_block: nn.Module) -> Optional[nn.Module]:
@@ -169,13 +235,17 @@ class HfInputLayer(nn.Module):
 
 class HfBlock(nn.Module):
     """One decoder block as hidden -> hidden: builds the causal mask, position ids and rotary cos/sin
-    the model's own forward would pass it (no padding mask, no cache: training on full windows)."""
+    the model's own forward would pass it (no padding mask, no cache: training on full windows), and the
+    inputs ``builders`` make (ALiBi biases); ``constants`` are required inputs the stack passes as None."""
 
-    def __init__(self, block: nn.Module, config, rotary: Optional[nn.Module]):
+    def __init__(self, block: nn.Module, config, rotary: Optional[nn.Module],
+                 builders: Optional[Dict[str, Callable]] = None, constants: Optional[Dict[str, Any]] = None):
         super().__init__()
         self.block = block
         self.rotary = rotary  # parameterless, shared by every block wrapper
         self._config = config
+        self._builders = dict(builders or {})
+        self._constants = dict(constants or {})
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
@@ -185,6 +255,8 @@ class HfBlock(nn.Module):
                   "position_ids": position_ids, "use_cache": False}
         if self.rotary is not None:
             kwargs["position_embeddings"] = self.rotary(hidden, position_ids=position_ids)
+        kwargs.update({name: build(hidden) for name, build in self._builders.items()})
+        kwargs.update(self._constants)
         output = self.block(hidden, **kwargs)
         return output[0] if isinstance(output, tuple) else output
 

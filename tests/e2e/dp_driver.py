@@ -31,6 +31,22 @@ def make_hf_engine(nvme_path: str, family: str, num_micro_batches: int, **greedy
     return engine, hf_data()
 
 
+def export_weights(engine, folder: str, rank: int) -> dict:
+    """Every way out, called on every rank as DeepSpeed's collectives are."""
+    import deepspeed
+    from ds_greedysnake.weights import WeightsAccessError
+    engine.save_16bit_model(folder)
+    engine.save_pretrained(os.path.join(folder, "hf"), max_shard_size="100KB")
+    with deepspeed.zero.GatheredParameters(engine.module.parameters()):
+        gathered = {name: param.detach().cpu().clone() for name, param in engine.module.named_parameters()}
+    try:
+        engine.module.state_dict()
+        error = ""
+    except WeightsAccessError as raised:
+        error = str(raised)
+    return {"gathered": gathered, "state_dict_error": error}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--nvme", required=True)
@@ -39,6 +55,7 @@ def main():
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--hf-family", default=None, help="a tiny Hugging Face model of this family")
     parser.add_argument("--last-rank-dies-after", type=int, default=None, help="steps; simulates a crash")
+    parser.add_argument("--export", default=None, help="after training, every rank exports the weights here")
     args = parser.parse_args()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if args.hf_family:
@@ -62,8 +79,11 @@ def main():
         collective_bytes.append({kind: total - before.get(kind, 0)
                                  for kind, total in engine.parallel.bytes_by_collective.items()})
     masters = engine.master_parameters()  # a collective: every rank takes part
+    results = {"losses": losses, "masters": masters, "collective_bytes": collective_bytes}
+    if args.export:
+        results.update(export_weights(engine, args.export, rank))
     if rank == 0:
-        torch.save({"losses": losses, "masters": masters, "collective_bytes": collective_bytes}, args.out)
+        torch.save(results, args.out)
     engine.close()
 
 

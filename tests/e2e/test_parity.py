@@ -206,3 +206,28 @@ def test_loading_a_checkpoint_drops_what_was_read_ahead(tmp_path):
     assert losses["on"] == losses["off"]
     for key, value in masters["off"].items():
         assert torch.equal(value, masters["on"][key]), key
+
+
+def test_gathered_parameters_over_a_zero_init_model_give_its_weights(tmp_path):
+    """deepspeed.zero.GatheredParameters over the engine's module, built under zero.Init (whose own
+    partitions greedysnake dropped), gives greedysnake's current weights, as state_dict() does."""
+    import deepspeed
+    import ds_greedysnake
+    from ds_greedysnake.models.gpt import build_gpt, lm_loss
+    from helpers import data, ds_config
+
+    config = tiny_gpt_config()
+    ds = ds_config(str(tmp_path), 2)
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=ds):
+        model = build_gpt(config)
+    engine, _, _, _ = ds_greedysnake.initialize(model=model, config=ds, loss_fn=lm_loss)
+    engine.train_batch(data(config))
+    masters = engine.master_parameters()
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        for name, param in engine.module.named_parameters():
+            assert torch.equal(param.detach().cpu(), masters[name]), name
+    state = engine.module.state_dict()
+    for name, value in masters.items():
+        assert torch.equal(state[name], value), name
+    engine.close()
