@@ -28,7 +28,8 @@ def launch(command, port):
     finally:
         remove_shm_buffers(port)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    # The report is the script's last line; the deepspeed launcher prints its own lines after it.
+    return json.loads([line for line in done.stdout.splitlines() if line.startswith('{"engine"')][-1])
 
 
 def deepspeed_launch(*script_args):
