@@ -14,7 +14,8 @@ accelerate 1.15):
   ``training_step`` once per micro-batch. At the window's first micro-batch the whole window runs as
   one ``engine.train_batch`` (the last window of an epoch may be shorter); each ``training_step`` then
   returns the window's loss divided by its number of micro-batches, so what Trainer adds up and logs
-  per step is the window's loss.
+  per step is the window's loss. (A callback that stops training between two micro-batches of a window
+  therefore stops it after that window's step, where plain Trainer would drop the window.)
 * The loss: Trainer's own (``TrainerLoss``), the model's ``loss_function`` on the logits with what
   ``compute_loss`` and ``training_step`` would give it: ``num_items_in_batch`` (a token mean over the
   window and the ranks, when labels hold -100) or a per-micro-batch mean over the window length.
@@ -98,8 +99,9 @@ def micro_batch(sample: Dict[str, Any]) -> Tuple[torch.Tensor, torch.Tensor]:
                                       "with labels (e.g. DataCollatorForLanguageModeling(mlm=False))")
     input_ids, labels = sample["input_ids"], sample["labels"]
     if labels.shape != input_ids.shape:
-        raise GreedySnakeTrainerError(f"labels have shape {tuple(labels.shape)} but input_ids {tuple(input_ids.shape)}: "
-                                      "give one label per input token (-100 where no loss is wanted)")
+        raise GreedySnakeTrainerError(f"labels have shape {tuple(labels.shape)} but input_ids "
+                                      f"{tuple(input_ids.shape)}: give one label per input token (-100 where no "
+                                      "loss is wanted)")
     mask = sample.get("attention_mask")
     if mask is not None and not bool(mask.all()):
         raise GreedySnakeTrainerError(

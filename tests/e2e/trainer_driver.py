@@ -40,13 +40,11 @@ def parse_args():
     parser.add_argument("--config-from-launcher", action="store_true", help="accelerate launch passes the config")
     parser.add_argument("--write-config", default=None, help="only write the DeepSpeed config here")
     parser.add_argument("--refusals", action="store_true", help="record what train() refuses, then stop")
-    parser.add_argument("--no-16bit-weights-on-save", action="store_true",
-                        help="stage3_gather_16bit_weights_on_model_save false: Trainer saves the engine checkpoint only")
     parser.add_argument("--local_rank", type=int, default=0, help="set by the deepspeed launcher")
     return parser.parse_args()
 
 
-def ds_config(nvme_path: str, enabled: bool, gather_16bit_weights: bool = True) -> dict:
+def ds_config(nvme_path: str, enabled: bool) -> dict:
     """A ZeRO-Infinity config written the Hugging Face way: Trainer fills in every "auto". No
     train_batch_size: on the CPU, TrainingArguments fills its "auto" before it knows the number of ranks."""
     return {
@@ -57,7 +55,7 @@ def ds_config(nvme_path: str, enabled: bool, gather_16bit_weights: bool = True) 
         # As tests/helpers.py: the stage3_* knobs keep ZeRO-Infinity exact on DeepSpeed 0.19.8.
         "zero_optimization": {
             "stage": 3, "stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0, "sub_group_size": 1,
-            "stage3_gather_16bit_weights_on_model_save": gather_16bit_weights,
+            "stage3_gather_16bit_weights_on_model_save": True,
             "offload_param": {"device": "nvme", "nvme_path": nvme_path, "max_in_cpu": 0, "buffer_count": 5,
                               "buffer_size": 1 << 20},
             "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path},
@@ -135,8 +133,7 @@ def refusals(args) -> dict:
 
 def main():
     args = parse_args()
-    deepspeed_config = None if args.mode == "plain" else ds_config(args.nvme, args.mode == "greedysnake",
-                                                                    not args.no_16bit_weights_on_save)
+    deepspeed_config = None if args.mode == "plain" else ds_config(args.nvme, args.mode == "greedysnake")
     if args.write_config:
         with open(args.write_config, "w") as handle:
             json.dump(deepspeed_config, handle)

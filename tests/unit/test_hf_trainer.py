@@ -16,8 +16,8 @@ from transformers.loss.loss_utils import ForCausalLMLoss  # noqa: E402
 import ds_greedysnake  # noqa: E402
 from ds_greedysnake.config import GreedySnakeConfigError  # noqa: E402
 from ds_greedysnake.deepspeed_compat import deepspeed_initialize_routed  # noqa: E402
-from ds_greedysnake.hf_trainer import (GreedySnakeTrainer, GreedySnakeTrainerError, GreedySnakeTrainerMixin,  # noqa: E402
-                                       LossScaling, TrainerLoss, micro_batch)
+from ds_greedysnake.hf_trainer import (GreedySnakeTrainer, GreedySnakeTrainerError,  # noqa: E402
+                                       GreedySnakeTrainerMixin, LossScaling, TrainerLoss, micro_batch)
 from helpers import ds_config  # noqa: E402
 
 VOCAB = 11
@@ -66,7 +66,8 @@ def trainer_objective(stub, micro_batches):
     for rank in micro_batches:
         for logits, labels in rank:
             # compute_loss: the model's loss (with num_items_in_batch when it takes it), times the ranks
-            loss = ForCausalLMLoss(logits, labels, VOCAB, **({"num_items_in_batch": items} if items is not None else {}))
+            items_kwarg = {} if items is None else {"num_items_in_batch": items}
+            loss = ForCausalLMLoss(logits, labels, VOCAB, **items_kwarg)
             if stub.args.average_tokens_across_devices and items is not None:
                 loss = loss * stub.accelerator.num_processes
             scaled = stub.loss_is_scaled_for_ga if stub.loss_is_scaled_for_ga is not None else items is not None
