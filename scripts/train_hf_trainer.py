@@ -2,7 +2,7 @@
 ZeRO-Infinity (the same script and config, the "greedysnake" block off). No downloads.
 
     deepspeed --num_gpus 1 scripts/train_hf_trainer.py --family llama --hidden 1024 --layers 8 --steps 5
-    python scripts/train_hf_trainer.py --family gpt2 --hidden 256 --layers 4 --fp32      # one process
+    python scripts/train_hf_trainer.py --family gpt2 --hidden 256 --layers 4             # one process
     python scripts/train_hf_trainer.py --family llama --baseline                          # ZeRO-Infinity
     DS_ACCELERATOR=cpu LOCAL_SIZE=2 deepspeed --num_gpus 2 scripts/train_hf_trainer.py    # two ranks on the CPU
     accelerate launch --use_deepspeed --deepspeed_config_file ds.json scripts/train_hf_trainer.py --config-from-launcher
@@ -29,6 +29,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download: configs are buil
 from train_hf import FAMILIES, largest_parameter, memory_snapshot, model_config  # noqa: E402  (sets RANK etc.)
 
 import torch  # noqa: E402
+from deepspeed.accelerator import get_accelerator  # noqa: E402
 
 from ds_greedysnake import GreedySnakeTrainer  # noqa: E402  (was: from transformers import Trainer)
 from ds_greedysnake.models.gpt import synthetic_corpus  # noqa: E402
@@ -59,7 +60,8 @@ def parse_args():
     parser.add_argument("--micro-batch-size", type=int, default=1, help="per_device_train_batch_size")
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--weight-decay", type=float, default=0.1)
-    parser.add_argument("--fp32", action="store_true", help="fp32 instead of bf16")
+    parser.add_argument("--fp32", action="store_true",
+                        help="fp32 instead of bf16 (on the CPU always: TrainingArguments refuses bf16 without a GPU)")
     parser.add_argument("--baseline", action="store_true", help="DeepSpeed's ZeRO-Infinity instead of greedysnake")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="save a Trainer checkpoint every N steps")
     parser.add_argument("--output-dir", default=None, help="Trainer's output_dir (default: <nvme-path>/trainer_output)")
@@ -133,7 +135,8 @@ def main():
     output_dir = args.output_dir or (os.path.join(config["zero_optimization"]["offload_param"]["nvme_path"],
                                                   "trainer_output") if config else "trainer_output")
     world_size = int(os.environ["WORLD_SIZE"])
-    bf16 = not args.fp32
+    # TrainingArguments refuses bf16 on the CPU unless use_cpu, which turns DeepSpeed off.
+    bf16 = not args.fp32 and get_accelerator().device_name() != "cpu"
     training = TrainingArguments(
         output_dir=output_dir, max_steps=args.steps,
         per_device_train_batch_size=args.micro_batch_size, gradient_accumulation_steps=args.micro_batches,
