@@ -33,7 +33,8 @@ from deepspeed.accelerator import get_accelerator
 from transformers import Trainer
 
 from .config import check_ds_config, parse_greedysnake_config
-from .deepspeed_compat import default_gradient_clipping, deepspeed_initialize_routed, logical_shape
+from .deepspeed_compat import (default_gradient_clipping, deepspeed_initialize_routed, logical_shape,
+                               remove_shm_buffer_at_exit)
 from .engine import GreedySnakeEngine
 from .initialize import initialize
 
@@ -169,8 +170,9 @@ class GreedySnakeTrainerMixin:
 
     def __init__(self, *args, **kwargs):
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        if training_args is not None:
+        if getattr(training_args, "deepspeed_plugin", None) is not None:
             count_every_rank_on_the_cpu(training_args)
+            remove_shm_buffer_at_exit()  # with the block off too, where ds_greedysnake.initialize is not called
         super().__init__(*args, **kwargs)
 
     def greedysnake_enabled(self) -> bool:
