@@ -11,6 +11,9 @@ setup(
     # safetensors: Hugging Face checkpoints in (pretrained.py) and out (export.py), a layer at a time, and
     # greedysnake's own checkpoints. torch 2.5: torch.serialization.safe_globals and
     # get_unsafe_globals_in_checkpoint (checkpoint_format.py).
+    # accelerate is pinned: GreedySnakeTrainer (hf_trainer.py) relies on how its DeepSpeed preparation
+    # calls deepspeed.initialize, checked against this release. Installed with the rest (set-up runs
+    # `pip install -e .`), so that `from ds_greedysnake import GreedySnakeTrainer` works everywhere.
     install_requires=["deepspeed==0.19.8", "torch>=2.5", "numpy", "pytest", "matplotlib", "scipy>=1.10",
-                      "transformers==5.24.0", "tqdm", "safetensors"],
+                      "transformers==5.24.0", "accelerate==1.15.0", "tqdm", "safetensors"],
 )

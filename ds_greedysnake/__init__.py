@@ -6,5 +6,15 @@ from .pretrained import PretrainedWeightsError, from_pretrained
 from .weights import WeightsAccessError
 
 __all__ = ["initialize", "from_pretrained", "GreedySnakeConfig", "GreedySnakeConfigError", "ModelSplitError",
-           "PretrainedWeightsError", "WeightsAccessError"]
+           "PretrainedWeightsError", "WeightsAccessError", "GreedySnakeTrainer", "GreedySnakeTrainerMixin"]
 __version__ = "0.1.0"
+
+_HF_TRAINER_NAMES = ("GreedySnakeTrainer", "GreedySnakeTrainerMixin")
+
+
+def __getattr__(name):
+    # Imported on first use: transformers' Trainer (and accelerate) take seconds to import.
+    if name in _HF_TRAINER_NAMES:
+        from . import hf_trainer
+        return getattr(hf_trainer, name)
+    raise AttributeError(f"module 'ds_greedysnake' has no attribute {name!r}")

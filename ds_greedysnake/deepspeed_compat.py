@@ -24,6 +24,7 @@ from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 from deepspeed.ops.op_builder.builder import OpBuilder
+from deepspeed.runtime import constants as ds_constants
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.swap_tensor import partitioned_param_swapper
@@ -47,6 +48,7 @@ _RELIED_ON = [
     (DeepSpeedCPUAdam, "optimizer_id"),
     (partitioned_param_swapper, "swap_in_tensors"),
     (OpBuilder, "jit_load"),
+    (ds_constants, "GRADIENT_CLIPPING_DEFAULT"),
 ]
 
 
@@ -70,6 +72,11 @@ def check_deepspeed_internals() -> None:
 
 
 # ----------------------------------------------------------------------------- engine construction
+
+
+def default_gradient_clipping() -> float:
+    """What DeepSpeed clips at when ds_config has no "gradient_clipping" (1.0 in 0.19.8, 0 before)."""
+    return float(ds_constants.GRADIENT_CLIPPING_DEFAULT)
 
 
 def parsed_ds_config(ds_config: Dict[str, Any], mpu=None) -> DeepSpeedConfig:
@@ -143,6 +150,27 @@ def broadcast_through_device(host: torch.Tensor, device: torch.device, source: i
         dist.broadcast(on_device, source, group=group)
         if receiving:
             piece.copy_(on_device)
+
+
+@contextlib.contextmanager
+def deepspeed_initialize_routed(route: Callable) -> Iterator[None]:
+    """While the block runs, ``deepspeed.initialize(**kwargs)`` returns ``route(original, **kwargs)``.
+
+    HF Trainer's engine is built by accelerate's ``Accelerator._prepare_deepspeed``, which looks
+    ``deepspeed.initialize`` up at call time (accelerate 1.15): this is how GreedySnakeTrainer hands it
+    the greedysnake engine without changing accelerate. ``route`` calls ``original`` for what it does
+    not take over.
+    """
+    original = deepspeed.initialize
+
+    def routed(*args, **kwargs):
+        return route(original, *args, **kwargs)
+
+    deepspeed.initialize = routed
+    try:
+        yield
+    finally:
+        deepspeed.initialize = original
 
 
 # ----------------------------------------------------------------------------- models built under zero.Init

@@ -142,9 +142,11 @@ class GreedySnakeEngine(EngineBase):
         for layer in self.layers:
             layer.lenders = [self.layers[lender] for lender in split.lenders_of(layer.index)]
 
-    def train_batch(self, data_iter: Iterator) -> torch.Tensor:
-        """One optimizer step over gradient_accumulation_steps micro-batches from ``data_iter``."""
-        micro_batches = self._next_micro_batches(data_iter)
+    def train_batch(self, data_iter: Iterator, num_micro_batches: Optional[int] = None) -> torch.Tensor:
+        """One optimizer step over gradient_accumulation_steps micro-batches from ``data_iter``, or over
+        ``num_micro_batches`` of them (the same on every rank): a shorter window, such as the last one of
+        an epoch under HF Trainer. The loss is averaged over the micro-batches taken."""
+        micro_batches = self._next_micro_batches(data_iter, num_micro_batches)
         before = self.io_counters.snapshot()
         updater = self.optimizer.updater
         update_seconds_before, wait_seconds_before = updater.update_seconds, updater.wait_seconds
@@ -158,23 +160,26 @@ class GreedySnakeEngine(EngineBase):
         elif self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.global_steps += 1
-        self.global_samples += self.train_batch_size()
+        self.global_samples += self.train_micro_batch_size_per_gpu() * self.dp_world_size * len(micro_batches)
         mean_loss = self._mean_over_ranks(result.losses)
         self.last_step_metrics = self._metrics(result, mean_loss, micro_batches, seconds, before)
         if self.global_rank == 0 and self.global_steps % self.steps_per_print() == 0:
             self._log(self.last_step_metrics)
         return torch.tensor(mean_loss)
 
-    def eval_batch(self, data_iter: Iterator) -> torch.Tensor:
-        """Mean loss over gradient_accumulation_steps micro-batches, forward only (weights fully updated)."""
-        losses = self.executor.evaluate(self._next_micro_batches(data_iter))
+    def eval_batch(self, data_iter: Iterator, num_micro_batches: Optional[int] = None) -> torch.Tensor:
+        """Mean loss over gradient_accumulation_steps (or ``num_micro_batches``) micro-batches, forward
+        only (weights fully updated)."""
+        losses = self.executor.evaluate(self._next_micro_batches(data_iter, num_micro_batches))
         return torch.tensor(self._mean_over_ranks(losses))
 
-    def _next_micro_batches(self, data_iter: Iterator):
-        """gradient_accumulation_steps (inputs, labels) pairs from ``data_iter``, on the device."""
+    def _next_micro_batches(self, data_iter: Iterator, count: Optional[int] = None):
+        """``count`` (default gradient_accumulation_steps) (inputs, labels) pairs from ``data_iter``, on the device."""
+        if count is not None and count < 1:
+            raise ValueError(f"num_micro_batches must be at least 1, got {count}")
         device = accelerator_device()
         micro_batches = []
-        for _ in range(self.gradient_accumulation_steps()):
+        for _ in range(count or self.gradient_accumulation_steps()):
             inputs, labels = next(data_iter)
             micro_batches.append((inputs.to(device), labels.to(device)))
         return micro_batches

@@ -1,0 +1,355 @@
+"""Hugging Face ``Trainer`` on the greedysnake engine: ``GreedySnakeTrainer`` and its mixin.
+
+A Trainer script with a ZeRO-Infinity ``deepspeed=`` config switches by importing GreedySnakeTrainer
+instead of Trainer and adding ``"greedysnake": {"enabled": true}`` to the config; with the block off
+(or absent) the class is Trainer under DeepSpeed, unchanged. How it fits Trainer (transformers 5.24,
+accelerate 1.15):
+
+* The engine: during ``train()``, accelerate's call of ``deepspeed.initialize`` for this trainer's model
+  goes to ``ds_greedysnake.initialize`` (``deepspeed_compat.deepspeed_initialize_routed``). Trainer's
+  ds_config processing ("auto" values), its lr scheduler (handed over as a callable) and accelerate's
+  wrappers stay as they are; ``grad_norm``, ``save_model``, checkpoints and resuming reach the engine
+  through DeepSpeed's API, as they do for ZeRO-Infinity.
+* The step: Trainer fetches an accumulation window up front (``get_batch_samples``), then calls
+  ``training_step`` once per micro-batch. At the window's first micro-batch the whole window runs as
+  one ``engine.train_batch`` (the last window of an epoch may be shorter); each ``training_step`` then
+  returns the window's loss divided by its number of micro-batches, so what Trainer adds up and logs
+  per step is the window's loss. (A callback that stops training between two micro-batches of a window
+  therefore stops it after that window's step, where plain Trainer would drop the window.)
+* The loss: Trainer's own (``TrainerLoss``), the model's ``loss_function`` on the logits with what
+  ``compute_loss`` and ``training_step`` would give it: ``num_items_in_batch`` (a token mean over the
+  window and the ranks, when labels hold -100) or a per-micro-batch mean over the window length.
+* Evaluation: ``prediction_step`` runs each eval batch forward through the engine (the module's own
+  parameters are empty placeholders between layer fetches) with Trainer's eval loss; loss only, so
+  ``compute_metrics`` and ``predict()`` are refused.
+"""
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from deepspeed.accelerator import get_accelerator
+from transformers import Trainer
+
+from .config import check_ds_config, parse_greedysnake_config
+from .deepspeed_compat import (default_gradient_clipping, deepspeed_initialize_routed, logical_shape,
+                               remove_shm_buffer_at_exit)
+from .engine import GreedySnakeEngine
+from .initialize import initialize
+
+logger = logging.getLogger(__name__)
+
+INPUT_KEYS = ("input_ids", "labels", "attention_mask")
+# Methods the mixin implements that a class later in the MRO must not override.
+_MIXIN_METHODS = ("training_step", "get_batch_samples", "prediction_step")
+
+
+class GreedySnakeTrainerError(ValueError):
+    """A Trainer setting or batch the greedysnake engine cannot train; the message names it and the fix."""
+
+
+@dataclass
+class LossScaling:
+    """How TrainerLoss turns the model's loss of a micro-batch into the engine's."""
+    num_items_in_batch: Any  # for the model's loss_function (a token sum over it); None: a per-micro-batch mean
+    multiplier: int = 1
+
+
+class TrainerLoss:
+    """The engine's ``loss_fn``: Trainer's loss ``v`` of one micro-batch, times a multiplier.
+
+    The engine backpropagates ``loss / M`` for each of a window's M micro-batches and averages gradients
+    and the reported loss over ranks; Trainer backpropagates ``v`` per micro-batch (DeepSpeed averages the
+    gradients over ranks) and logs the sum of ``v`` over the window. So a training window's multiplier
+    holds the M that the engine divides by again (``GreedySnakeTrainerMixin._loss_scaling``).
+    ``configure`` sets the scaling before each window or eval batch; ``last_value`` is the latest result.
+    """
+
+    def __init__(self, loss_function: Callable, vocab_size: int):
+        self.loss_function = loss_function
+        self.vocab_size = vocab_size
+        self.scaling = LossScaling(None)
+        self.last_value: Optional[torch.Tensor] = None
+
+    def configure(self, scaling: LossScaling) -> None:
+        self.scaling = scaling
+
+    def __call__(self, output, labels: torch.Tensor) -> torch.Tensor:
+        logits = getattr(output, "logits", output)
+        items = self.scaling.num_items_in_batch
+        loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.vocab_size,
+                                  **({} if items is None else {"num_items_in_batch": items}))
+        if self.scaling.multiplier != 1:
+            loss = loss * self.scaling.multiplier
+        self.last_value = loss.detach()
+        return loss
+
+
+def micro_batch(sample: Dict[str, Any]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, labels)`` of one Trainer batch, refusing what the engine would not compute as the
+    model would: other inputs, a padding attention mask, missing labels."""
+    unknown = sorted(set(sample) - set(INPUT_KEYS))
+    if unknown:
+        raise GreedySnakeTrainerError(
+            f"the batch has inputs {unknown}, which greedysnake does not pass to the model (its layers take "
+            f"input_ids only; the loss comes from labels): drop them from the dataset or the data collator")
+    missing = [key for key in ("input_ids", "labels") if key not in sample]
+    if missing:
+        raise GreedySnakeTrainerError(f"the batch has no {missing}: greedysnake trains causal LMs on input_ids "
+                                      "with labels (e.g. DataCollatorForLanguageModeling(mlm=False))")
+    input_ids, labels = sample["input_ids"], sample["labels"]
+    if labels.shape != input_ids.shape:
+        raise GreedySnakeTrainerError(f"labels have shape {tuple(labels.shape)} but input_ids "
+                                      f"{tuple(input_ids.shape)}: give one label per input token (-100 where no "
+                                      "loss is wanted)")
+    mask = sample.get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        raise GreedySnakeTrainerError(
+            "the batch has a padding attention_mask (zeros in it): greedysnake trains full sequences with a "
+            "causal mask only. Pack the texts into blocks of equal length (as run_clm.py's group_texts does) or "
+            "use a collator that does not pad; mark tokens without loss with label -100 instead")
+    return input_ids, labels
+
+
+def non_embedding_parameters(model: torch.nn.Module) -> int:
+    """PreTrainedModel.num_parameters(exclude_embeddings=True), also for a model built under zero.Init."""
+    embeddings = {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, torch.nn.Embedding)}
+    return sum(logical_shape(param).numel() for name, param in model.named_parameters() if name not in embeddings)
+
+
+def count_every_rank_on_the_cpu(training_args) -> None:
+    """Give accelerate the number of ranks DeepSpeed runs on the CPU accelerator.
+
+    accelerate 1.15's DeepSpeed path picks no communication backend where there is no GPU, and a state
+    without a backend counts one process, although DeepSpeed has set torch.distributed up for all of them:
+    Trainer would give every rank the whole dataset and never sum a token count over ranks. Under DeepSpeed
+    on the CPU, the counts are taken from torch.distributed (for greedysnake and for ZeRO-Infinity alike).
+    """
+    if getattr(training_args, "deepspeed_plugin", None) is None or get_accelerator().device_name() != "cpu":
+        return
+    from accelerate.state import PartialState
+    training_args.device  # sets up accelerate's state (and DeepSpeed's process group)
+    if not torch.distributed.is_initialized():
+        return
+    state = PartialState()
+    world_size = torch.distributed.get_world_size()
+    if state.num_processes == world_size:
+        return
+    state.backend = torch.distributed.get_backend()
+    state.num_processes = world_size
+    state.process_index = torch.distributed.get_rank()
+    state.local_process_index = int(os.environ.get("LOCAL_RANK", state.process_index))
+    logger.info(f"accelerate counted 1 process under DeepSpeed on the CPU; set to the {world_size} ranks of "
+                "torch.distributed")
+
+
+@dataclass
+class _Window:
+    """The micro-batches Trainer fetched for one optimizer step, and how far training_step got in them."""
+    samples: List[Dict[str, Any]]
+    num_items_in_batch: Any
+    position: int = 0
+    loss_per_micro_batch: Optional[torch.Tensor] = None
+
+    def is_next(self, inputs) -> bool:
+        return self.position < len(self.samples) and self.samples[self.position] is inputs
+
+
+class GreedySnakeTrainerMixin:
+    """Put before a ``transformers.Trainer`` subclass in the bases (``class T(GreedySnakeTrainerMixin,
+    SomeTrainer)``): when the DeepSpeed config's ``"greedysnake"`` block enables it, ``train()`` runs on
+    the greedysnake engine; otherwise the class is that Trainer."""
+
+    _greedysnake_window: Optional[_Window] = None
+    _greedysnake_loss: Optional[TrainerLoss] = None
+    _greedysnake_step_lr: Optional[float] = None
+    _greedysnake_flops_parameters: int = 0
+
+    # ------------------------------------------------------------------ set-up
+
+    def __init__(self, *args, **kwargs):
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if getattr(training_args, "deepspeed_plugin", None) is not None:
+            count_every_rank_on_the_cpu(training_args)
+            remove_shm_buffer_at_exit()  # with the block off too, where ds_greedysnake.initialize is not called
+        super().__init__(*args, **kwargs)
+
+    def greedysnake_enabled(self) -> bool:
+        """Whether DeepSpeed is on and its config's "greedysnake" block enables the engine."""
+        if not getattr(self, "is_deepspeed_enabled", False):
+            return False
+        return parse_greedysnake_config(self._ds_config()).enabled
+
+    def _ds_config(self) -> Dict[str, Any]:
+        return self.accelerator.state.deepspeed_plugin.deepspeed_config
+
+    def _greedysnake_engine(self) -> Optional[GreedySnakeEngine]:
+        engine = getattr(self, "model_wrapped", None)
+        return engine if isinstance(engine, GreedySnakeEngine) else None
+
+    def train(self, *args, **kwargs):
+        if not self.greedysnake_enabled():
+            return super().train(*args, **kwargs)
+        if self._greedysnake_engine() is not None:
+            raise GreedySnakeTrainerError("train() runs once per GreedySnakeTrainer (its engine holds the SSD folder): "
+                                          "to train on, make a new trainer and pass resume_from_checkpoint")
+        self._refuse_unsupported()
+        with deepspeed_initialize_routed(self._route_initialize):
+            return super().train(*args, **kwargs)
+
+    def _route_initialize(self, original: Callable, *args, **kwargs):
+        """accelerate's deepspeed.initialize call for this trainer's model builds the greedysnake engine."""
+        model = kwargs.get("model")
+        if args or model is None or model is not self.model:
+            return original(*args, **kwargs)  # another model (a reference model, say): DeepSpeed's engine
+        if kwargs.get("optimizer") is not None:
+            raise GreedySnakeTrainerError("greedysnake steps with the ds_config \"optimizer\" block (AdamW), not an "
+                                          "optimizer made in Python: drop Trainer's optimizers= argument")
+        unknown = sorted(set(kwargs) - {"model", "config_params", "config", "model_parameters", "lr_scheduler",
+                                        "optimizer", "mpu"})
+        if unknown or kwargs.get("mpu") is not None:
+            raise GreedySnakeTrainerError(f"accelerate asked for a DeepSpeed engine with {unknown or ['mpu']}, which "
+                                          "greedysnake does not support (sequence or tensor parallelism)")
+        if getattr(model, "is_activation_checkpointing", False):
+            # The engine recomputes every layer in its backward already; HF's checkpointing would do it twice.
+            model.activation_checkpointing_disable()
+            logger.info("greedysnake recomputes each layer in backward itself: the model's activation "
+                        "checkpointing is turned off")
+        self._greedysnake_loss = TrainerLoss(model.loss_function, model.config.vocab_size)
+        self._greedysnake_flops_parameters = non_embedding_parameters(model)
+        return initialize(model=model, model_parameters=kwargs.get("model_parameters"),
+                          lr_scheduler=kwargs.get("lr_scheduler"),
+                          config=kwargs.get("config_params") or kwargs.get("config"), loss_fn=self._greedysnake_loss)
+
+    def _refuse_unsupported(self) -> None:
+        """Everything the engine would get wrong, refused at train() with the option named."""
+        cls = type(self)
+        if cls.compute_loss is not Trainer.compute_loss:
+            raise GreedySnakeTrainerError(
+                f"{cls.__name__} overrides compute_loss: greedysnake computes Trainer's own loss inside its engine "
+                "(the model's loss_function on the logits) and cannot run another; remove the override, or train "
+                "with the \"greedysnake\" block off")
+        for method in _MIXIN_METHODS:
+            if getattr(cls, method) is not getattr(GreedySnakeTrainerMixin, method):
+                raise GreedySnakeTrainerError(
+                    f"{cls.__name__} overrides {method} after GreedySnakeTrainerMixin: greedysnake needs its own "
+                    f"(put GreedySnakeTrainerMixin first in the bases, or remove the override)")
+        refused = {
+            "compute_loss_func": self.compute_loss_func is not None,
+            "label_smoothing_factor": self.label_smoother is not None,
+            "compute_metrics": self.compute_metrics is not None,
+            "preprocess_logits_for_metrics": self.preprocess_logits_for_metrics is not None,
+            "neftune_noise_alpha": self.neftune_noise_alpha is not None,
+            "torch_compile": bool(self.args.torch_compile),
+            "parallelism_config": getattr(self.args, "parallelism_config", None) is not None,
+        }
+        for option, set_ in refused.items():
+            if set_:
+                raise GreedySnakeTrainerError(
+                    f"{option} is set, which greedysnake does not support (its engine computes Trainer's default "
+                    f"causal-LM loss and evaluates the loss only): unset {option}, or train with the block off")
+        ds_config = self._ds_config()
+        check_ds_config(ds_config, get_accelerator().device_name())
+        if (ds_config.get("tensor_parallel") or {}).get("autotp_size", 1) > 1:
+            raise GreedySnakeTrainerError("tensor_parallel.autotp_size > 1 is not supported by greedysnake: remove it")
+        if "gradient_clipping" not in ds_config and self.args.max_grad_norm != default_gradient_clipping():
+            raise GreedySnakeTrainerError(
+                f"ds_config has no \"gradient_clipping\", so DeepSpeed clips at its default "
+                f"{default_gradient_clipping()} while max_grad_norm is {self.args.max_grad_norm}: set "
+                "\"gradient_clipping\": \"auto\" (Trainer fills in max_grad_norm)")
+
+    # ------------------------------------------------------------------ training
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self._greedysnake_engine() is not None:
+            self._greedysnake_window = _Window(batch_samples, num_items_in_batch)
+        return batch_samples, num_items_in_batch
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if not isinstance(model, GreedySnakeEngine):
+            return super().training_step(model, inputs, num_items_in_batch)
+        window = self._greedysnake_window
+        if window is None or not window.is_next(inputs):
+            raise RuntimeError("GreedySnakeTrainer.training_step got a micro-batch that is not the next one of the "
+                               "window get_batch_samples fetched: greedysnake runs a whole accumulation window as one "
+                               "step, so the training loop must be Trainer's own")
+        if window.position == 0:
+            window.loss_per_micro_batch = self._train_window(model, window)
+        window.position += 1
+        return window.loss_per_micro_batch
+
+    def _train_window(self, engine: GreedySnakeEngine, window: _Window) -> torch.Tensor:
+        """One engine step over the window; the window's loss divided by its number of micro-batches."""
+        engine.train()
+        micro_batches = [micro_batch(self._prepare_inputs(sample)) for sample in window.samples]
+        count = len(micro_batches)
+        self._greedysnake_loss.configure(self._loss_scaling(window.num_items_in_batch, count))
+        self._greedysnake_step_lr = engine.optimizer.param_groups[0]["lr"]  # the rate this step uses
+        loss = engine.train_batch(iter(micro_batches), num_micro_batches=count)
+        return (loss / count).to(self.args.device)
+
+    def _loss_scaling(self, num_items_in_batch, window_length: Optional[int]) -> LossScaling:
+        """What Trainer.compute_loss and Trainer.training_step do to the model's loss, for the engine
+        (``window_length``: the training window's micro-batches; None for an eval batch)."""
+        passes_items = self.model_accepts_loss_kwargs and num_items_in_batch is not None
+        items = num_items_in_batch if passes_items else None
+        # compute_loss: the token count is summed over ranks, so each rank's loss is scaled back up.
+        multiplier = self.accelerator.num_processes if self.args.average_tokens_across_devices and passes_items else 1
+        if window_length is None:
+            return LossScaling(items, multiplier)
+        scaled_for_ga = self.loss_is_scaled_for_ga if self.loss_is_scaled_for_ga is not None else passes_items
+        # training_step divides a loss not scaled for the window by its length; the engine divides every
+        # micro-batch's loss by it, so a scaled one is multiplied by it first.
+        return LossScaling(items, multiplier * window_length if scaled_for_ga else multiplier)
+
+    def floating_point_ops(self, inputs) -> int:
+        # Trainer's count, with the parameters counted before the engine emptied the module's.
+        main_input = getattr(self.model, "main_input_name", "input_ids")
+        if self._greedysnake_engine() is None or main_input not in inputs:
+            return super().floating_point_ops(inputs)
+        return 6 * inputs[main_input].numel() * self._greedysnake_flops_parameters
+
+    def _get_learning_rate(self):
+        # Plain Trainer logs the rate the step used (its scheduler steps after); the engine has stepped
+        # its scheduler by the time Trainer asks.
+        if self._greedysnake_engine() is not None and self._greedysnake_step_lr is not None:
+            return self._greedysnake_step_lr
+        return super()._get_learning_rate()
+
+    # ------------------------------------------------------------------ evaluation
+
+    def evaluate(self, *args, **kwargs):
+        if self.greedysnake_enabled():
+            if self._greedysnake_engine() is None:
+                raise GreedySnakeTrainerError("evaluate() runs through the greedysnake engine, which train() builds: "
+                                              "call train() first (for evaluation alone, use the block off)")
+            if self.compute_metrics is not None:
+                raise GreedySnakeTrainerError("compute_metrics is set, but greedysnake evaluates the loss only: "
+                                              "unset compute_metrics")
+        return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        if self.greedysnake_enabled():
+            raise GreedySnakeTrainerError("predict() needs logits, which greedysnake's engine does not return (it "
+                                          "evaluates the loss only): use evaluate(), or save_model() and predict with "
+                                          "the saved model")
+        return super().predict(*args, **kwargs)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        engine = self._greedysnake_engine()
+        if engine is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        inputs = self._prepare_inputs(inputs)
+        pair = micro_batch(inputs)
+        # As Trainer.prediction_step: the batch's own token count (summed over ranks).
+        num_items_in_batch = self._get_num_items_in_batch([inputs], self.args.device)
+        self._greedysnake_loss.configure(self._loss_scaling(num_items_in_batch, None))
+        engine.eval_batch(iter([pair]), num_micro_batches=1)
+        return self._greedysnake_loss.last_value.mean().to(self.args.device), None, None
+
+
+class GreedySnakeTrainer(GreedySnakeTrainerMixin, Trainer):
+    """``transformers.Trainer`` that trains on the greedysnake engine when the DeepSpeed config's
+    ``"greedysnake"`` block enables it, and is plain Trainer (under DeepSpeed) otherwise."""
