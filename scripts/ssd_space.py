@@ -98,6 +98,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gpt-65b", help="a named shape (python -m ds_greedysnake.plan --help)")
     parser.add_argument("--measure", default=None, help="a scratch folder on the SSD: also measure the tiny GPT")
+    parser.add_argument("--measure-only", default=None, choices=[name for name, _, _ in PRECISIONS],
+                        help="measure this precision's column only (the others are computed)")
     args = parser.parse_args()
     shape = named_shape(args.model)
     tiny = GPTShape("tiny", **TINY)
@@ -112,7 +114,7 @@ def main():
         for name, bf16, extra in PRECISIONS:
             merged = dict(block, **extra)
             cell = f"{computed(shape, clipping, bf16, merged):.2f}"
-            if args.measure:
+            if args.measure and args.measure_only in (None, name):
                 folder = os.path.join(args.measure, "gs")
                 cell += f" ({measured_greedysnake(folder, clipping, bf16, merged):.2f}; "
                 cell += f"computed {computed(tiny, clipping, bf16, merged):.2f})"
@@ -120,6 +122,8 @@ def main():
         print(f"| {row} | " + " | ".join(cells) + " |")
     if args.measure:
         for name, bf16 in (("bf16", True), ("fp32", False)):
+            if args.measure_only not in (None, name):
+                continue
             after_initialize, after_step = measured_zero_infinity(os.path.join(args.measure, "zi"), bf16)
             print(f"\nZeRO-Infinity, {name}, clipping on, tiny GPT: {after_initialize:.2f} bytes per parameter after "
                   f"initialize, {after_step:.2f} after its first step (it creates its gradient files then)")
