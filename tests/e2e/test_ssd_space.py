@@ -14,7 +14,7 @@ from ds_greedysnake import optimizer as optimizer_module
 from ds_greedysnake import ssd_layout
 from ds_greedysnake.models.gpt import build_gpt, lm_loss
 from ds_greedysnake.planner.shapes import GPTShape
-from ds_greedysnake.planner.ssd_space import ssd_bytes
+from ds_greedysnake.planner.ssd_space import ssd_bytes, zero_infinity_ssd_bytes
 from greedysnake_run import make_engine
 from helpers import MICRO_BATCH_SIZE, data, ds_config, fresh_model, tiny_gpt_config
 
@@ -151,6 +151,10 @@ def test_ssd_bytes_per_parameter_against_zero_infinity(tmp_path):
     # creates its gradient files in the first backward.
     assert per_parameter["greedysnake, clipping on"] <= per_parameter["ZeRO-Infinity after its first step"]
     assert 16 <= per_parameter["greedysnake, clipping on"] < 16.1
+    # The planner's account of ZeRO-Infinity's swap rules (1 MiB threshold, sub-groups) is what its files hold.
+    estimate = sum(zero_infinity_ssd_bytes([p.numel() for p in fresh_model(config).parameters()], bf16=True,
+                                           sub_group_size=1).values())
+    assert abs(zero[1][1] - estimate) <= 0.01 * estimate, (zero[1][1], estimate)
     # Clipping off, the overlap on: the speculative layers (all but the front quarter) keep two slots and a
     # gradient region: 32 B per parameter for them.
     assert 31 < per_parameter["greedysnake, clipping off"] < 32.1
