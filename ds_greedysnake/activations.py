@@ -10,11 +10,16 @@ memory holds the latest checkpoint and the copies in flight (at most ``Transfers
 whatever the number of micro-batches. On the CPU accelerator the host tier keeps the tensor itself, as
 before.
 """
+import errno
+import os
+import shutil
 from typing import Dict, Optional, Tuple
 
 import torch
+from deepspeed.utils import log_dist
 
-from .ssd import Region, SsdStore
+from .ssd import Region, SsdIoError, SsdStore
+from .ssd_layout import activation_spill_bytes
 from .transfers import COMPLETE, Guard, Transfers
 
 Key = Tuple[int, int]  # (layer, micro_batch)
@@ -27,11 +32,15 @@ class _Spilled:
 
 class ActivationStore:
 
-    def __init__(self, store: SsdStore, host_budget_bytes: int, device: torch.device,
-                 transfers: Optional[Transfers] = None):
+    def __init__(self, store: SsdStore, host_budget_bytes: int, device: torch.device, layer_inputs: int = 0,
+                 micro_batches: int = 0, transfers: Optional[Transfers] = None):
         self._store = store
         self._host_budget_bytes = host_budget_bytes
         self._device = device
+        # What one step stores (layers 1 .. L-1, every micro-batch): the disk is checked for all of its
+        # spill before the first region of a new size is created.
+        self._layer_inputs, self._micro_batches = layer_inputs, micro_batches
+        self._space_checked = set()  # checkpoint sizes whose spill was checked
         self._on_host: Dict[Key, torch.Tensor] = {}
         self._spilled: Dict[Key, _Spilled] = {}
         self._regions: Dict[Key, Region] = {}  # kept across steps: the same shapes come back
@@ -99,12 +108,32 @@ class ActivationStore:
     def _spill(self, key: Key, tensor: torch.Tensor, num_bytes: int) -> None:
         region = self._regions.get(key)
         if region is None or region.payload_bytes < num_bytes:
+            self._check_space(key, num_bytes)
             region = self._store.create_region(f"act_l{key[0]}_m{key[1]}", num_bytes, "activation")
             self._regions[key] = region
         staging = self._staging_for(region)
         self._transfers.to_host(tensor.reshape(-1), staging[:num_bytes].view(tensor.dtype)).wait()
         self._store.write(region, staging)
         self._spilled[key] = _Spilled(region, tensor.shape, tensor.dtype)
+
+    def _check_space(self, key: Key, num_bytes: int) -> None:
+        """Before the first region of this size: the disk must hold the step's whole spill (every layer input
+        of a step has the same size), counting the regions it replaces; else fail naming needed and free."""
+        if num_bytes in self._space_checked or not self._layer_inputs:
+            return
+        self._space_checked.add(num_bytes)
+        replaced = sum(region.padded_bytes for region in self._regions.values() if region.payload_bytes < num_bytes)
+        needed = activation_spill_bytes(self._layer_inputs, self._micro_batches, num_bytes,
+                                        self._host_budget_bytes) - replaced
+        free = shutil.disk_usage(self._store.folder).free
+        log_dist(f"greedysnake SSD space: activation spill {needed:,} more bytes (layer inputs of {num_bytes:,} bytes "
+                 f"beyond activation_host_memory_mb), {free:,} bytes free under {self._store.folder}", ranks=[0])
+        if needed > free:
+            path = os.path.join(self._store.folder, f"{self._store.name}_act_l{key[0]}_m{key[1]}.bin")
+            raise SsdIoError(errno.ENOSPC, f"no space left to allocate {needed} bytes for {path} and the other "
+                             f"layer inputs this step spills to SSD ({num_bytes} bytes each), {free} bytes free: "
+                             "free space on the SSD, raise greedysnake.activation_host_memory_mb or choose another "
+                             "nvme_path")
 
     def _read_spilled(self, spilled: _Spilled) -> torch.Tensor:
         staging = self._staging_for(spilled.region)

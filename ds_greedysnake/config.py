@@ -57,7 +57,9 @@ class GreedySnakeConfig(DeepSpeedConfigModel):
 
     fp32_grad_accumulation: bool = True
     """Accumulate each layer's gradient over the micro-batches in fp32, whatever the compute
-    dtype. Only matters under bf16; fp32 training always accumulates in fp32."""
+    dtype. Only matters under bf16; fp32 training always accumulates in fp32. False accumulates in
+    bf16, and a gradient that goes through SSD is stored in bf16 there (half the bytes; its cast to
+    fp32 for Adam is exact)."""
 
     prefetch: bool = True
     """Read the next layer's parameters from SSD while the current layer computes."""

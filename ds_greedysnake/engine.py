@@ -16,9 +16,8 @@ from .executor import Executor, StepResult
 from .export import write_hf_checkpoint
 from .layer import BufferPool, LayerOwner, Residency
 from .parallel import DataParallel
-from .schedule import layers_updated_after_decision
 from .model_split import plan_split
-from .optimizer import LayerwiseAdam
+from .optimizer import LayerwiseAdam, OptimizerSettings
 from .pretrained import PretrainedWeights
 from .ssd import IoCounters, SsdStore, SwapFolderLock, padded_size
 from .weights import LayerParams, LayerSource, ModuleWeightAccess, WeightPlan, as_dtype
@@ -105,12 +104,11 @@ class GreedySnakeEngine(EngineBase):
                              f"use at most {num_layers}, or leave it unset")
         overlap = setup.config.optimizer_overlap
         clipping = float(self.gradient_clipping() or 0.0)
-        optimizer = LayerwiseAdam(self.layers, optimizer_store, self.ds_config_dict, clipping, overlap,
-                                  worker_threads_for(setup.config, device.type), self.parallel,
-                                  int(setup.config.gradient_host_memory_mb * 2**20),
-                                  int(setup.config.optimizer_host_memory_mb * 2**20),
-                                  layers_updated_after_decision(num_layers, overlap, deferred, clipping > 0),
-                                  int(setup.config.optimizer_read_ahead_mb * 2**20))
+        # Plans every SSD region, logs their bytes and checks the disk holds them before creating any.
+        settings = OptimizerSettings.from_config(setup.config, self.ds_config_dict, clipping, self.compute_dtype,
+                                                 accumulate_dtype, num_layers,
+                                                 worker_threads_for(setup.config, device.type))
+        optimizer = LayerwiseAdam(self.layers, optimizer_store, settings, self.parallel)
         # The layer computing and the ones being prefetched (with prefetch off, a fetch still needs two
         # at the turn, where layer L-2 stays with the head); one more for a lender resident with its
         # borrower (tied embeddings: layer 0 stays with the head).
@@ -118,10 +116,11 @@ class GreedySnakeEngine(EngineBase):
                           count=1 + prefetch_depth + (1 if split.ties else 0))
         for layer in self.layers:
             shard = layer.layout.own_shard(self._initial_flat_weights(layer))
+            layer.offload(param_store, pool, shard, optimizer.layout.layers[layer.index])
             optimizer.initialise_layer(layer, shard.float())
-            layer.offload(param_store, pool, shard)
         budget = int(setup.config.activation_host_memory_mb * 2**20)
-        self.activations = ActivationStore(activation_store, budget, device)
+        self.activations = ActivationStore(activation_store, budget, device, num_layers - 1,
+                                           self.gradient_accumulation_steps())
         self.executor = Executor(self.layers, self.activations, optimizer, setup.loss_fn, accumulate_dtype,
                                  setup.config.prefetch, overlap, deferred, prefetch_depth)
         return optimizer

@@ -25,11 +25,10 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from deepspeed.utils import logger
 
-from .ssd import ALIGNMENT, round_up
+from .ssd_layout import ALIGNMENT, OPTIMIZER_STATE_BYTES_PER_PARAM, host_slot_offsets, round_up
 from .transfers import register_host_memory
 
 GRADIENT_BYTES_PER_PARAM = 4          # the fp32 gradient
-OPTIMIZER_STATE_BYTES_PER_PARAM = 12  # fp32 master, exp_avg, exp_avg_sq
 
 
 class HostArena:
@@ -70,16 +69,13 @@ class HostArena:
     @classmethod
     def _create(cls, name: str, order: Sequence[int], shard_numels: List[int], bytes_per_param: int,
                 budget_bytes: int) -> "HostArena":
-        # A contiguous run of layers from the start of ``order``: the first that does not fit ends it.
-        offsets, total = {}, 0
-        for layer_index in order:
-            slot_bytes = round_up(bytes_per_param * shard_numels[layer_index], ALIGNMENT)
-            if total + slot_bytes > budget_bytes:
-                break
-            offsets[layer_index] = total
-            total += slot_bytes
+        # A contiguous run of layers from the start of ``order``: the first that does not fit ends it (the
+        # SSD layout, ssd_layout.py, assigns the same slots).
+        offsets = host_slot_offsets(order, shard_numels, bytes_per_param, budget_bytes)
         if not offsets:
             return cls({}, 0, None)
+        last = max(offsets, key=offsets.get)
+        total = offsets[last] + round_up(bytes_per_param * shard_numels[last], ALIGNMENT)
         fd = os.memfd_create(name, 0)  # not inherited: the worker gets it by pass_fds
         os.ftruncate(fd, total)
         return cls(offsets, total, fd)

@@ -1,11 +1,16 @@
 """One owner per layer: where its parameters are, and its gradient over the micro-batches of a step.
 
-A layer's low-precision parameters live on SSD as a flat vector, in one of two slots: the
-optimizer writes new weights into the slot not in use and commits it with the completion handle
-of that update. ``prefetch`` starts reading the committed slot into a host buffer from a small
-shared pool (unless its update is still running), ``fetch`` waits for the update and the read and
-points the module's parameters at the data on the device, ``release`` drops them. Each verb is a
-no-op when already done. ``stage`` starts the device copy ahead of ``fetch`` (off the CPU accelerator).
+A layer's low-precision parameters live on SSD as a flat vector. A layer updated during backward,
+before the step's decision (speculatively), has two slots: the optimizer writes new weights into the
+slot not in use and commits it with the completion handle of that update, or leaves it uncommitted
+when the step is skipped. Every other layer has one slot, written in place (ssd_layout.py): its update
+only starts once the decision has found every gradient finite, so there is nothing to discard, and
+every read of the slot waits for the update first. ``prefetch`` starts reading the committed slot
+into a host buffer from a small shared pool (unless its update is still running), ``fetch`` waits for
+the update and the read and points the module's parameters at the data on the device, ``release``
+drops them (waiting for a read in flight), and a layer is only updated once released, so no read of
+its slot is ever in flight while an update writes it. Each verb is a no-op when already done.
+ ``stage`` starts the device copy ahead of ``fetch`` (off the CPU accelerator).
 
 Copies to the device run on a transfer stream (``transfers.py``): a host buffer goes back to the pool
 with the guard of the copy reading it, and the pool hands it out again (to the next aio read) only
@@ -20,6 +25,7 @@ from torch import nn
 from . import deepspeed_compat
 from .parallel import DataParallel
 from .ssd import Region, SsdStore
+from .ssd_layout import LayerLayout
 from .transfers import COMPLETE, Guard, Transfers
 from .updates import UpdateHandle
 
@@ -74,6 +80,9 @@ class LayerOwner:
         self.param_regions: List[Region] = []
         self.param_slot = 0
         self.pending_update: Optional[UpdateHandle] = None
+        # A one-slot layer's file holds this step's gradient instead of its weights, from its gradient's
+        # flush to its update (optimizer.py): nothing may read the slot meanwhile.
+        self.weights_hold_gradient = False
         self._store: Optional[SsdStore] = None
         self._pool: Optional[BufferPool] = None
         self._host_buffer: Optional[torch.Tensor] = None
@@ -111,11 +120,14 @@ class LayerOwner:
             deepspeed_compat.drop_zero3_partition(param)
         return flat
 
-    def offload(self, store: SsdStore, pool: BufferPool, shard: torch.Tensor) -> None:
-        """Write this rank's shard of the initial weights to SSD and drop the weights from memory."""
+    def offload(self, store: SsdStore, pool: BufferPool, shard: torch.Tensor, layout: LayerLayout) -> None:
+        """Write this rank's shard of the initial weights to SSD and drop the weights from memory. The files
+        are as long as ``layout`` says (a one-slot layer's file may also hold its gradient)."""
+        assert layout.param_bytes == self.shard_bytes, (layout.param_bytes, self.shard_bytes)
         self._store, self._pool = store, pool
-        self.param_regions = [store.create_region(f"l{self.index}_s{slot}", self.shard_bytes, "param")
-                              for slot in (0, 1)]
+        self.param_regions = [store.create_region(f"l{self.index}_s{slot}", self.shard_bytes, "param",
+                                                  file_bytes=layout.parameter_file_bytes)
+                              for slot in range(layout.param_slots)]
         self._drop_parameters()
         self.state = Residency.ON_SSD
         self.overwrite_weights(shard)
@@ -127,12 +139,30 @@ class LayerOwner:
         buffer[:self.shard_bytes].view(self.compute_dtype).copy_(shard)
         self._store.write(self.region, buffer)
         self._pool.give_back(buffer)
+        self.weights_hold_gradient = False
+
+    def gradient_region(self, payload_bytes: int) -> Region:
+        """A region for this step's gradient over the start of the one parameter file (ssd_layout.py), with a
+        tag of its own: a read of the weights while the gradient is there fails, and the other way round."""
+        assert self.in_place, f"layer {self.index} has two parameter slots: its gradient has a file of its own"
+        return self._store.alias_region(self.param_regions[0], payload_bytes, "grad")
+
+    @property
+    def in_place(self) -> bool:
+        """One parameter slot, updated in place (never speculatively)."""
+        return len(self.param_regions) == 1
+
+    @property
+    def next_param_slot(self) -> int:
+        """The slot an update writes: the one not committed, or the only one."""
+        return (self.param_slot + 1) % len(self.param_regions)
 
     def commit_update(self, param_slot: int, handle: UpdateHandle) -> None:
         """New weights are (being) written to ``param_slot``; readers wait on ``handle`` first."""
         assert self.state == Residency.ON_SSD, f"layer {self.index} updated while {self.state.value}"
         self.param_slot = param_slot
         self.pending_update = handle
+        self.weights_hold_gradient = False
 
     def wait_for_update(self) -> None:
         if self.pending_update is not None:
@@ -202,6 +232,7 @@ class LayerOwner:
         self.state = Residency.ON_SSD
 
     def _start_read(self) -> None:
+        assert not self.weights_hold_gradient, f"layer {self.index} read before its update wrote its weights"
         self.pending_update = None  # finished: polled or waited by the caller
         self._host_buffer = self._pool.acquire()
         self._store.start_read(self.region, self._host_buffer)

@@ -1,12 +1,19 @@
 """Adam over SSD-resident optimizer states, one layer at a time, split into global and per-layer parts.
 
-Per layer, two SSD slots each hold [fp32 master | exp_avg | exp_avg_sq]; the fp32 gradient
-accumulated over the step goes to the update through host memory shared with the worker
-(``host_memory.py``) for the layers that fit ``gradient_host_memory_mb``, and through one SSD region
-for the others. An update reads the committed slot and writes the other
-one (and the layer's other parameter slot), so an update made before the step's global decision
-(speculative, during backward) is committed by flipping the slot, or discarded by not flipping it:
-a skipped step leaves every layer exactly as it was.
+Per layer, [fp32 master | exp_avg | exp_avg_sq] lives on SSD in one slot or two (``ssd_layout.py``); the
+fp32 gradient accumulated over the step goes to the update through host memory shared with the worker
+(``host_memory.py``) for the layers that fit ``gradient_host_memory_mb``, and through SSD for the others.
+
+A layer updated before the step's global decision (speculatively, during backward: overlap on, clipping
+off, layers from ``deferred_layers`` up) has two slots: its update reads the committed slot and writes the
+other one (and the layer's other parameter slot), committed by flipping the slot, or discarded by not
+flipping it. Every other layer is only updated after the decision, which has already found every
+gradient finite (a skipped step submits no update at all), so its one slot is updated in place: nothing
+ever needs discarding. A skipped step therefore leaves every layer exactly as it was. Every reader of an
+in-place slot waits for the update first: the layer's fetch waits on its handle, checkpoint reads flush,
+and the worker reads states ahead only while no update is queued or in flight (``update_pipeline.py``).
+The gradient of a one-slot layer goes into its parameter file (``ssd_layout.py``); after a skipped step
+its weights are rewritten from the unchanged master (``_submit_recast``).
 
 Front layers that are only updated after the decision may instead keep their states in one slot of
 shared host memory (``optimizer_host_memory_mb``), updated in place: no state goes through SSD for
@@ -21,17 +28,22 @@ step count) needs every layer's gradient and is decided once, in ``decide_step``
 """
 import copy
 import math
+import os
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
+from deepspeed.utils import log_dist
 
 from .checkpoint import LayerState
+from .config import GreedySnakeConfig
 from .deepspeed_compat import AdamHyperparameters, CpuAdamKernel
 from .host_memory import HostArena, SharedHostMemory
-from .layer import LayerOwner
+from .layer import LayerOwner, Residency
 from .parallel import DataParallel
+from .schedule import layers_updated_after_decision
 from .ssd import Region, SsdStore, padded_size
+from .ssd_layout import LayoutSettings, SsdLayout, check_free_space, describe, plan_layout
 from .transfers import Transfers
 from .update_pipeline import STATE_PIECE_NUMEL, ReadAheadPiece, piece_ranges
 from .updates import (BufferSizes, InlineUpdater, ReplayTask, UpdateHandle, Updater, UpdateTask, WorkerUpdater,
@@ -48,6 +60,43 @@ class StepDecision:
     global_grad_norm: float
     skipped: bool             # a non-finite gradient somewhere: no layer is updated
     hyper: AdamHyperparameters
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """What LayerwiseAdam takes from ds_config and the greedysnake block, built once (``from_config``)."""
+    ds_config: Dict[str, Any]      # its "optimizer" block gives Adam's hyperparameters; the aio block the worker's I/O
+    gradient_clipping: float       # 0: off
+    overlap: bool                  # greedysnake.optimizer_overlap: updates in a worker process
+    worker_threads: int
+    gradient_host_bytes: int       # greedysnake.gradient_host_memory_mb
+    optimizer_host_bytes: int      # greedysnake.optimizer_host_memory_mb
+    post_decision_layers: int      # layers 0 .. k-1 are only updated after the step's decision
+    read_ahead_bytes: int          # greedysnake.optimizer_read_ahead_mb
+    compute_dtype: torch.dtype     # of the weights on SSD
+    gradient_dtype: torch.dtype    # of the accumulated gradient (fp32, or bf16 under bf16 accumulation)
+    ranks_sharing_disk: int = 1    # this machine's ranks, each with a swap folder on the same nvme_path
+
+    @classmethod
+    def from_config(cls, config: GreedySnakeConfig, ds_config: Dict[str, Any], gradient_clipping: float,
+                    compute_dtype: torch.dtype, gradient_dtype: torch.dtype, num_layers: int,
+                    worker_threads: int) -> "OptimizerSettings":
+        """``worker_threads``: config.worker_threads_for(config, device type), the field's default resolved."""
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
+        return cls(ds_config, gradient_clipping, config.optimizer_overlap, worker_threads,
+                   int(config.gradient_host_memory_mb * 2**20), int(config.optimizer_host_memory_mb * 2**20),
+                   layers_updated_after_decision(num_layers, config.optimizer_overlap, config.deferred_layers,
+                                                 gradient_clipping > 0),
+                   int(config.optimizer_read_ahead_mb * 2**20), compute_dtype, gradient_dtype, max(1, local_ranks))
+
+    def layout_settings(self) -> LayoutSettings:
+        return LayoutSettings(_element_bytes(self.compute_dtype), _element_bytes(self.gradient_dtype),
+                              self.post_decision_layers, self.gradient_host_bytes, self.optimizer_host_bytes,
+                              STATE_PIECE_NUMEL)
+
+
+def _element_bytes(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
 
 
 def adam_settings(ds_optimizer: Dict[str, Any]) -> Tuple[AdamHyperparameters, bool]:
@@ -81,61 +130,84 @@ class LayerwiseAdam(torch.optim.Optimizer):
     which each step's decision reads. Its one parameter is an empty placeholder: the real weights
     live on SSD and are updated layer by layer, never through ``step()``."""
 
-    def __init__(self, layers: List[LayerOwner], store: SsdStore, ds_config: Dict[str, Any],
-                 gradient_clipping: float, overlap: bool, worker_threads: int, parallel: DataParallel,
-                 gradient_host_bytes: int, optimizer_host_bytes: int = 0, post_decision_layers: int = 0,
-                 read_ahead_bytes: int = 0):
-        hyper, adamw_mode = adam_settings(ds_config["optimizer"])
+    def __init__(self, layers: List[LayerOwner], store: SsdStore, settings: OptimizerSettings,
+                 parallel: DataParallel):
+        hyper, adamw_mode = adam_settings(settings.ds_config["optimizer"])
         defaults = {"lr": hyper.lr, "betas": (hyper.beta1, hyper.beta2), "eps": hyper.eps,
                     "weight_decay": hyper.weight_decay, "bias_correction": hyper.bias_correction}
         super().__init__([torch.nn.Parameter(torch.zeros(0))], defaults)
-        self.gradient_clipping = gradient_clipping
+        self.gradient_clipping = settings.gradient_clipping
         self.parallel = parallel
         self.step_count = 0
         self.skipped_steps = 0
         self._layers = layers
         self._store = store
-        self._state_regions: Dict[int, List[Region]] = {}  # layers whose states are on SSD
+        self._gradient_dtype = settings.gradient_dtype
+        self._piece_numel = STATE_PIECE_NUMEL
+        shard_numels = [layer.shard_numel for layer in layers]
+        self.layout: SsdLayout = plan_layout(shard_numels, settings.layout_settings())
+        # Before any file exists: the disk must hold all of it (the activation spill is checked when its
+        # size is known, activations.py).
+        self.ssd_bytes = self.layout.bytes_by_kind()
+        self._check_disk(settings)
+        # Only layers never updated speculatively may keep their states in one, in-place, host slot.
+        self.host = SharedHostMemory(HostArena.for_gradients(shard_numels, settings.gradient_host_bytes),
+                                     HostArena.for_optimizer_states(shard_numels, settings.post_decision_layers,
+                                                                    settings.optimizer_host_bytes))
+        self._state_regions: Dict[int, List[List[Region]]] = {}  # layers whose states are on SSD: slots of pieces
         self._state_slot: List[int] = [0] * len(layers)
         self._grad_regions: Dict[int, Region] = {}  # layers whose gradient goes through SSD
         self._grad_sq_norms: List[Optional[float]] = [None] * len(layers)
         self._speculative: Dict[int, Tuple[UpdateHandle, int, int]] = {}
+        self._gradient_over_weights: Set[int] = set()  # one-slot layers whose file holds this step's gradient
         self._next_task_id = 0
-        shard_numels = [layer.shard_numel for layer in layers]
-        # Only layers never updated speculatively may keep their states in one, in-place, host slot.
-        self.host = SharedHostMemory(HostArena.for_gradients(shard_numels, gradient_host_bytes),
-                                     HostArena.for_optimizer_states(shard_numels, post_decision_layers,
-                                                                    optimizer_host_bytes))
-        self._piece_numel = STATE_PIECE_NUMEL
-        for layer in layers:
-            if not self.host.optimizer_states.holds(layer.index):
+        for layer, placed in zip(layers, self.layout.layers):
+            assert (placed.state_slots == 0) == self.host.optimizer_states.holds(layer.index), layer.index
+            assert placed.gradient_on_ssd != self.host.gradients.holds(layer.index), layer.index
+            if placed.state_slots:
                 # Per slot, the pieces the update pipeline streams (update_pipeline.py).
                 self._state_regions[layer.index] = [
                     [store.create_region(f"opt_l{layer.index}_s{slot}_p{piece}", 12 * (stop - start), "optimizer")
                      for piece, (start, stop) in enumerate(piece_ranges(layer.shard_numel, self._piece_numel))]
-                    for slot in (0, 1)]
-            if not self.host.gradients.holds(layer.index):
-                self._grad_regions[layer.index] = store.create_region(f"grad_l{layer.index}", 4 * layer.shard_numel,
+                    for slot in range(placed.state_slots)]
+            if placed.gradient_on_ssd and not placed.gradient_in_parameter_file:
+                self._grad_regions[layer.index] = store.create_region(f"grad_l{layer.index}", placed.gradient_bytes,
                                                                       "grad")
+            # A gradient in the parameter file gets its region once that file exists (initialise_layer).
         # Staging for states and gradients that go through SSD: none when every layer has a host slot.
+        ssd_gradient_numels = [placed.numel for placed in self.layout.layers if placed.gradient_on_ssd]
         sizes = BufferSizes(max(shard_numels),
                             min(self._piece_numel, max((shard_numels[index] for index in self._state_regions),
                                                        default=0)),
-                            max((shard_numels[index] for index in self._grad_regions), default=0))
+                            max(ssd_gradient_numels, default=0))
         # Spare piece buffers of the worker's read-ahead: what the budget holds, at most one per piece on SSD.
         ssd_pieces = sum(len(slots[0]) for slots in self._state_regions.values())
         piece_bytes = padded_size(12 * sizes.largest_ssd_state_piece_numel)
-        self.read_ahead_pieces = min(ssd_pieces, read_ahead_bytes // piece_bytes) if overlap and ssd_pieces else 0
+        self.read_ahead_pieces = (min(ssd_pieces, settings.read_ahead_bytes // piece_bytes)
+                                  if settings.overlap and ssd_pieces else 0)
         self._state_buffer = (store.buffer(padded_size(12 * sizes.largest_ssd_state_piece_numel))
                               if sizes.largest_ssd_state_piece_numel else None)
         self._grad_buffer = (store.buffer(padded_size(4 * sizes.largest_ssd_grad_numel))
                              if sizes.largest_ssd_grad_numel else None)
-        if overlap:
+        if settings.overlap:
             self.updater: Updater = WorkerUpdater(store.counters, store.folder, store.ds_config, hyper, adamw_mode,
                                                   sizes._replace(read_ahead_pieces=self.read_ahead_pieces),
-                                                  worker_threads, self.host)
+                                                  settings.worker_threads, self.host)
         else:
             self.updater = InlineUpdater(store, CpuAdamKernel(hyper, adamw_mode), sizes, self.host)
+
+    def _check_disk(self, settings: OptimizerSettings) -> None:
+        """Log the SSD bytes per kind and fail, naming the bytes needed and free, when the disk cannot hold them."""
+        num_params = sum(layer.numel for layer in self._layers)
+        ranks = settings.ranks_sharing_disk
+        for_ranks = f" for each of {ranks} ranks on this machine" if ranks > 1 else ""
+        in_place = sum(1 for placed in self.layout.layers if placed.in_place)
+        log_dist(f"greedysnake SSD space{for_ranks}: {describe(self.ssd_bytes, num_params, activation_known=False)}; "
+                 f"{in_place} of {len(self._layers)} layers updated in place (one slot), the others speculatively "
+                 f"(two slots); under {self._store.folder}", ranks=[0])
+        kinds = ", ".join(f"{kind} {value:,}" for kind, value in self.ssd_bytes.items() if value)
+        check_free_space(sum(self.ssd_bytes.values()) * ranks, self._store.folder,
+                         f"parameters, optimizer states and gradients ({kinds} bytes){for_ranks}")
 
     @property
     def needs_every_gradient_first(self) -> bool:
@@ -143,7 +215,10 @@ class LayerwiseAdam(torch.optim.Optimizer):
         return self.gradient_clipping > 0
 
     def initialise_layer(self, layer: LayerOwner, master: torch.Tensor) -> None:
-        """Write the fp32 master weights and zero moments of a layer before its first step."""
+        """Write the fp32 master weights and zero moments of a layer before its first step (after
+        ``layer.offload``, whose file a one-slot layer's gradient shares)."""
+        if self.layout.layers[layer.index].gradient_in_parameter_file:
+            self._grad_regions[layer.index] = layer.gradient_region(self.layout.layers[layer.index].gradient_bytes)
         zeros = torch.zeros_like(master)
         self._write_committed_states(layer, LayerState(master, zeros, zeros))
 
@@ -154,13 +229,19 @@ class LayerwiseAdam(torch.optim.Optimizer):
         if on_host:
             host_grads = self.host.gradients.slot(layer.index, layer.shard_numel)
         else:
-            host_grads = self._grad_buffer[:4 * layer.shard_numel].view(torch.float32)
+            # On SSD in the accumulation dtype: under bf16 accumulation the update's fp32 cast of it is exact.
+            host_grads = self._grad_buffer[:self.layout.layers[layer.index].gradient_bytes].view(self._gradient_dtype)
         # Off the CPU accelerator: on a transfer stream, into registered memory, while the norm is taken
         # on the device; the worker or the SSD write reads the slot once the copy completed.
         copied = Transfers.for_device(grads.device).to_host(grads, host_grads)
         self._grad_sq_norms[layer.index] = squared_norm(grads)
         copied.wait()
         if not on_host:
+            if self.layout.layers[layer.index].gradient_in_parameter_file:
+                # Over the layer's weights on SSD: read by nobody until its update (or a recast) writes new
+                # ones, since this step reads the layer no more (its backward is done).
+                layer.weights_hold_gradient = True
+                self._gradient_over_weights.add(layer.index)
             self._store.write(self._grad_regions[layer.index], self._grad_buffer)
 
     def provisional_decision(self) -> StepDecision:
@@ -192,29 +273,55 @@ class LayerwiseAdam(torch.optim.Optimizer):
         return StepDecision(self.step_count, coefficient, norm, skipped, self._hyper())
 
     def update_layer(self, layer: LayerOwner, decision: StepDecision, speculative: bool) -> None:
-        """Submit the per-layer part: Adam on the committed slot, results into the other slots."""
+        """Submit the per-layer part: Adam on the committed slot, results into the other slots (or in place)."""
+        if layer.in_place:
+            # In place, no going back: only after the decision (which has checked every gradient for
+            # non-finite values first), and with no read of the layer in flight.
+            assert not speculative, f"layer {layer.index} is updated in place but was updated speculatively"
+            assert layer.state == Residency.ON_SSD, f"layer {layer.index} updated in place while {layer.state.value}"
         if decision.skipped:
+            if layer.index in self._gradient_over_weights:
+                self._submit_recast(layer)
             return
+        state_slot, state_in, state_out = self._state_slot[layer.index], None, None
         if layer.index in self._state_regions:
-            state_slot = 1 - self._state_slot[layer.index]
-            state_in = self._state_regions[layer.index][self._state_slot[layer.index]]
-            state_out = [plan_write(piece) for piece in self._state_regions[layer.index][state_slot]]
+            slots = self._state_regions[layer.index]
+            committed, state_slot = state_slot, (state_slot + 1) % len(slots)
+            # Copies taken before plan_write moves an in-place slot's generation: they name the data read.
+            state_in = [copy.copy(piece) for piece in slots[committed]]
+            state_out = [plan_write(piece) for piece in slots[state_slot]]
         else:
             # In host memory, updated in place: it could not be discarded.
             assert not speculative, f"layer {layer.index} keeps its states in host memory but was updated speculatively"
-            state_slot, state_in, state_out = self._state_slot[layer.index], None, None
-        param_slot = 1 - layer.param_slot
+        param_slot = layer.next_param_slot
         self._next_task_id += 1
+        grad = self._grad_regions.get(layer.index)
         task = UpdateTask(self._next_task_id, layer.index, layer.shard_numel, layer.compute_dtype,
                           state_in=state_in, state_out=state_out, piece_numel=self._piece_numel,
-                          grad=self._grad_regions.get(layer.index),
+                          grad=copy.copy(grad) if grad is not None else None,
                           param_out=plan_write(layer.param_regions[param_slot]),
-                          step=decision.step, hyper=decision.hyper, clip_coefficient=decision.clip_coefficient)
+                          step=decision.step, hyper=decision.hyper, clip_coefficient=decision.clip_coefficient,
+                          grad_dtype=self._gradient_dtype)
         handle = self.updater.submit(task)
+        self._gradient_over_weights.discard(layer.index)  # the update writes new weights over it
         if speculative:
             self._speculative[layer.index] = (handle, state_slot, param_slot)
         else:
             self._commit(layer, handle, state_slot, param_slot)
+
+    def _submit_recast(self, layer: LayerOwner) -> None:
+        """Rewrite a one-slot layer's weights, which its gradient overwrote, from its committed fp32 master
+        (a skipped or abandoned step): they are its cast, so they come back exactly as they were."""
+        pieces = self._state_regions.get(layer.index)
+        state_in = [copy.copy(piece) for piece in pieces[self._state_slot[layer.index]]] if pieces else None
+        self._next_task_id += 1
+        task = UpdateTask(self._next_task_id, layer.index, layer.shard_numel, layer.compute_dtype,
+                          state_in=state_in, state_out=None, piece_numel=self._piece_numel, grad=None,
+                          param_out=plan_write(layer.param_regions[layer.param_slot]), step=self.step_count,
+                          hyper=self._hyper(), clip_coefficient=1.0, recast_only=True)
+        handle = self.updater.submit(task)
+        self._gradient_over_weights.discard(layer.index)
+        self._commit(layer, handle, self._state_slot[layer.index], layer.param_slot)
 
     def announce_update_order(self, layer_order: List[int]) -> None:
         """After a step: the layers the next step will update, in order. Their committed state pieces
@@ -228,9 +335,15 @@ class LayerwiseAdam(torch.optim.Optimizer):
         self.updater.read_ahead(pieces[:self.read_ahead_pieces])
 
     def abandon_step(self) -> None:
-        """A step failed before its decision: forget its gradients and discard its speculative updates."""
+        """A step failed before its decision: forget its gradients, discard its speculative updates, and
+        give back the weights its gradients overwrote (every layer is released by now)."""
         self._grad_sq_norms = [None] * len(self._layers)
         self._speculative.clear()
+        for index in sorted(self._gradient_over_weights):
+            try:
+                self._submit_recast(self._layers[index])
+            except Exception:  # the step's own error is the one raised; a fetch of this layer fails its tag check
+                pass
 
     def flush(self) -> None:
         """Wait for every submitted update (before reading states or parameters from outside)."""
@@ -273,6 +386,7 @@ class LayerwiseAdam(torch.optim.Optimizer):
         layer.wait_for_update()
         self._write_committed_states(layer, state)
         layer.overwrite_weights(state.master)
+        self._gradient_over_weights.discard(layer.index)
 
     def states_in_host_memory(self, layer: LayerOwner) -> bool:
         return layer.index not in self._state_regions

@@ -1,4 +1,5 @@
-"""The planner's command line: the recommended greedysnake block and predicted step times of both engines.
+"""The planner's command line: the recommended greedysnake block, predicted step times of both engines,
+and the SSD bytes that block needs per kind (what initialize will log and check), with the free space.
 
     python -m ds_greedysnake.plan --config ds_config.json --model gpt-small              # probes this machine
     python -m ds_greedysnake.plan --config ds_config.json --model gpt-65b --hardware configs/hardware/a100_pcie4.json
@@ -8,6 +9,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import sys
 
 from .planner.errors import PlannerError
@@ -15,6 +17,8 @@ from .planner.hardware import load_hardware, save_hardware
 from .planner.plan_config import PlanRequest, budget_bytes, plan_for_config, workload_from_config
 from .planner.search import GIB
 from .planner.shapes import named_shape, parse_layers
+from .planner.ssd_space import ssd_bytes
+from .ssd_layout import describe
 
 MIB = 2**20
 NOT_IMPLEMENTED = ("parameters and optimizer states stay on SSD: host-resident shares of them are modelled "
@@ -188,6 +192,29 @@ def _describe_saturated(shape, hardware, request: PlanRequest, saturations: dict
     return "\n".join(lines)
 
 
+def ssd_space(ds_config: dict, shape, plan, ideal: bool):
+    """The SSD bytes per kind of the recommended block, and the free bytes under the config's nvme_path
+    (None when that folder does not exist here)."""
+    block = None if ideal else plan.greedysnake_block()
+    needed = ssd_bytes([layer.params for layer in shape.layers], ds_config, plan.micro_batches,
+                       plan.workload.checkpoint_bytes, block)
+    nvme_path = ((ds_config.get("zero_optimization") or {}).get("offload_param") or {}).get("nvme_path")
+    free = shutil.disk_usage(nvme_path).free if nvme_path and os.path.isdir(nvme_path) else None
+    return needed, nvme_path, free
+
+
+def _describe_ssd(needed, nvme_path, free, shape, plan, ideal: bool) -> list:
+    which = "this config's block" if ideal else "the recommended block"
+    lines = ["", f"SSD space ({which}, M = {plan.micro_batches}, one rank): {describe(needed, shape.params)}"]
+    total = sum(needed.values())
+    if free is None:
+        lines.append(f"  nvme_path {nvme_path} does not exist here: free space not checked")
+    else:
+        verdict = "fits" if total <= free else f"does NOT fit: {total - free:,} bytes short"
+        lines.append(f"  free under {nvme_path}: {free:,} bytes ({free / GIB:.2f} GiB): {verdict}")
+    return lines
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -212,16 +239,19 @@ def main(argv=None) -> int:
         return 2
     budget = budget_bytes(request)
     workload = plans[0].workload
+    needed, nvme_path, free = ssd_space(ds_config, shape, plans[0], args.ideal)
     if args.json:
         print(json.dumps({"model": shape.name, "parameters": shape.params, "budget_bytes": budget,
                           "hardware": hardware.to_dict(), "recommended": dict(plans[0].to_dict(),
                           gradient_accumulation_steps=plans[0].micro_batches,
                           greedysnake_block=None if args.ideal else plans[0].greedysnake_block()),
                           "plans": [p.to_dict() for p in sorted(plans, key=lambda p: p.micro_batches)],
+                          "ssd_bytes": needed, "ssd_free_bytes": free,
                           "notes": [NOT_IMPLEMENTED] if not args.modelled_placements else
                           ["modelled placements: not implemented by the engine"]}, indent=1))
     else:
         print(_describe(plans, hardware, shape, workload, budget, request))
+        print("\n".join(_describe_ssd(needed, nvme_path, free, shape, plans[0], args.ideal)))
     return 0
 
 

@@ -18,12 +18,11 @@ from typing import Dict, List
 import torch
 
 from . import deepspeed_compat, transfers
+from .ssd_layout import ALIGNMENT, TAG_BYTES as _TAG_BYTES, padded_size, round_up  # noqa: F401 (re-exported)
 
-ALIGNMENT = 4096
 # Transfers are split into chunks issued together (see SsdStore).
 CHUNK_BYTES = 4 << 20
 MAX_CHUNKS = 16
-_TAG_BYTES = 8
 
 
 class SsdIoError(OSError):
@@ -66,15 +65,6 @@ class SwapFolderLock:
 
     def __del__(self):
         self.release()
-
-
-def round_up(num_bytes: int, multiple: int = ALIGNMENT) -> int:
-    return (num_bytes + multiple - 1) // multiple * multiple
-
-
-def padded_size(payload_bytes: int) -> int:
-    """Bytes a region of ``payload_bytes`` occupies on SSD and in its buffer (payload, padding, tag)."""
-    return round_up(payload_bytes + _TAG_BYTES)
 
 
 def aligned_buffer(num_bytes: int) -> torch.Tensor:
@@ -146,12 +136,15 @@ class SsdStore:
         self._next_id = 0
         os.makedirs(folder, exist_ok=True)
 
-    def create_region(self, label: str, payload_bytes: int, category: str) -> Region:
+    def create_region(self, label: str, payload_bytes: int, category: str, file_bytes: int = 0) -> Region:
+        """A new file of ``max(file_bytes, padded size)`` bytes, preallocated, holding one region at its start
+        (``alias_region`` adds others over the same file)."""
         self._next_id += 1
-        region = Region(self._next_id, os.path.join(self.folder, f"{self.name}_{label}.bin"), payload_bytes, category)
+        path = os.path.join(self.folder, f"{self.name}_{label}.bin")
+        region = Region(self._next_id, path, payload_bytes, category)
         descriptor = os.open(region.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.posix_fallocate(descriptor, 0, region.padded_bytes)
+            os.posix_fallocate(descriptor, 0, max(file_bytes, region.padded_bytes))
         except OSError as error:
             if error.errno == errno.ENOSPC:
                 raise SsdIoError(error.errno, f"no space left to allocate {region.padded_bytes} bytes for "
@@ -160,6 +153,15 @@ class SsdStore:
         finally:
             os.close(descriptor)
         return region
+
+    def alias_region(self, region: Region, payload_bytes: int, category: str) -> Region:
+        """A second region at the start of ``region``'s file (one of this store's: region ids, so tags, are
+        unique within a store), with a tag of its own: reading one after the other was written fails the tag
+        check, as a read of stale data must. The file must be long enough (``create_region``'s ``file_bytes``)."""
+        self._next_id += 1
+        alias = Region(self._next_id, region.path, payload_bytes, category)
+        assert os.path.getsize(region.path) >= alias.padded_bytes, (region.path, alias.padded_bytes)
+        return alias
 
     def buffer(self, num_bytes: int) -> torch.Tensor:
         """An aligned host buffer this store transfers without a bounce copy; lives as long as the store."""

@@ -18,6 +18,11 @@ pipeline reads them into its spare piece buffers meanwhile (``read_ahead``), so 
 with their states already in memory.
 
 States kept in host memory (``host_memory.py``) are one piece, updated in place with no state I/O.
+A layer with one state slot on SSD (``ssd_layout.py``) reads and writes the same pieces: a piece's
+write is issued only after its read completed and Adam ran on it, a read ahead is only ever taken
+while nothing is queued or in flight, and an update of a layer is only queued once the previous one
+of that layer has completed (its next fetch waits for it), so no read of a piece overlaps its write.
+A recast (``UpdateTask.recast_only``) only casts the committed master into the weights.
 The new weights of a layer are cast into a layer-sized buffer piece by piece and written once its
 last piece is done; a gradient that comes through SSD is read with the layer's first piece.
 """
@@ -31,14 +36,7 @@ import torch
 from .deepspeed_compat import CpuAdamKernel
 from .host_memory import SharedHostMemory
 from .ssd import Region, SsdStore, padded_size
-
-# 4 Mi elements: a 48 MiB piece buffer, two per executing process.
-STATE_PIECE_NUMEL = 1 << 22
-
-
-def piece_ranges(numel: int, piece_numel: int) -> List[Tuple[int, int]]:
-    """[start, stop) element ranges of the pieces of a layer's states."""
-    return [(start, min(start + piece_numel, numel)) for start in range(0, numel, piece_numel)]
+from .ssd_layout import STATE_PIECE_NUMEL, piece_ranges  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -256,20 +254,29 @@ class UpdatePipeline:
         else:
             states = self._host.optimizer_states.slot(task.layer, 3 * task.numel)
         master, exp_avg, exp_avg_sq = states[:count], states[count:2 * count], states[2 * count:3 * count]
-        if task.grad is not None:
-            grads = self._buffers.grad[:4 * task.numel].view(torch.float32)[piece.start:piece.stop]
-        else:
-            grads = self._host.gradients.slot(task.layer, task.numel)[piece.start:piece.stop]
-        if task.clip_coefficient != 1.0:
-            grads.mul_(task.clip_coefficient)
-        self._kernel.update(task.step, task.hyper, master, grads, exp_avg, exp_avg_sq)
+        if not task.recast_only:
+            self._kernel.update(task.step, task.hyper, master, self._gradient_piece(piece), exp_avg, exp_avg_sq)
         element_bytes = torch.empty(0, dtype=task.compute_dtype).element_size()
         params = self._buffers.params[:element_bytes * task.numel].view(task.compute_dtype)
         params[piece.start:piece.stop].copy_(master)
 
+    def _gradient_piece(self, piece: _Piece) -> torch.Tensor:
+        """The piece's fp32 gradient, clipped. A bf16 gradient (bf16 accumulation) is cast exactly."""
+        task = piece.task
+        if task.grad is not None:
+            element_bytes = torch.empty(0, dtype=task.grad_dtype).element_size()
+            grads = self._buffers.grad[:element_bytes * task.numel].view(task.grad_dtype)[piece.start:piece.stop]
+            if grads.dtype != torch.float32:
+                grads = grads.float()
+        else:
+            grads = self._host.gradients.slot(task.layer, task.numel)[piece.start:piece.stop]
+        if task.clip_coefficient != 1.0:
+            grads.mul_(task.clip_coefficient)
+        return grads
+
     def _issue_writes(self, piece: _Piece) -> None:
         task = piece.task
-        if piece.buffer is not None:
+        if piece.buffer is not None and task.state_out is not None:
             self._write(task, task.state_out[piece.index], piece.buffer)
             self._writing_buffer = piece.buffer
         last = piece.index == len(task.state_in) - 1 if task.state_in is not None else True

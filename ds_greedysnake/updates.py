@@ -1,7 +1,8 @@
 """Per-layer Adam updates, run inline or in a worker process, each with a completion handle.
 
 An update is plain data (``UpdateTask``): which regions to read (fp32 master, moments, gradient),
-which to write (the other state slot, the other parameter slot) and the step's decision. States and
+which to write (the other state and parameter slots, or the same ones for a layer updated in place,
+ssd_layout.py) and the step's decision. States and
 gradients kept in host memory shared with the worker (``host_memory.py``) are named by the layer. The same
 ``UpdatePipeline`` (``update_pipeline.py``) runs updates in the main process (overlap off) or in a
 worker process (overlap on): DeepSpeedCPUAdam holds the GIL, so a thread would block training, while a
@@ -36,13 +37,19 @@ class UpdateTask:
     compute_dtype: torch.dtype
     # The pieces of [fp32 master | exp_avg | exp_avg_sq] (update_pipeline.py) as committed; None: in host memory.
     state_in: Optional[List[Region]]
-    state_out: Optional[List[Region]]  # the other slot's pieces, written with the updated states; None: in place
+    # Where the updated states go: the other slot's pieces, or for a one-slot layer (ssd_layout.py) the same
+    # pieces (copies carrying the next generation); None: in host memory, updated in place (or a recast).
+    state_out: Optional[List[Region]]
     piece_numel: int                   # elements per piece (the last may be shorter)
     grad: Optional[Region]  # fp32 gradient accumulated over the step; None: in the layer's arena slot
-    param_out: Region      # the layer's other parameter slot, written in the compute dtype
+    param_out: Region      # the parameter slot written, in the compute dtype: the other one, or the only one
     step: int
     hyper: AdamHyperparameters
     clip_coefficient: float
+    grad_dtype: torch.dtype = torch.float32  # of ``grad`` on SSD: bf16 when the gradient is accumulated in bf16
+    # No Adam: only rewrite the weights (``param_out``) from the committed fp32 master, after a skipped step
+    # found the gradient written over them (ssd_layout.py); ``grad`` and ``state_out`` are None.
+    recast_only: bool = False
 
 
 @dataclass

@@ -10,6 +10,7 @@ from torch import nn
 
 from ds_greedysnake import transfers
 from ds_greedysnake.activations import ActivationStore, InputGradients
+from ds_greedysnake.ssd_layout import LayerLayout
 from ds_greedysnake.layer import BufferPool, LayerOwner, Residency
 from ds_greedysnake.parallel import DataParallel
 from ds_greedysnake.ssd import Region, round_up
@@ -141,7 +142,7 @@ class FakeStore:
     def buffer(self, num_bytes):
         return torch.zeros(num_bytes, dtype=torch.uint8)
 
-    def create_region(self, label, payload_bytes, category):
+    def create_region(self, label, payload_bytes, category, file_bytes=None):
         self._next_id += 1
         return Region(self._next_id, label, payload_bytes, category)
 
@@ -187,7 +188,9 @@ def _layers(copies, count, pool_size):
     for layer in layers:
         flat = layer.flat_parameters()
         weights.append(flat.clone())
-        layer.offload(store, pool, flat)
+        layer.offload(store, pool, flat, LayerLayout(numel=layer.shard_numel, param_slots=2, state_slots=2,
+                                                     gradient_on_ssd=True, param_bytes=layer.shard_bytes,
+                                                     gradient_bytes=4 * layer.shard_numel, piece_numel=1 << 22))
     return layers, store, weights
 
 
