@@ -14,6 +14,8 @@ setup(
     # accelerate is pinned: GreedySnakeTrainer (hf_trainer.py) relies on how its DeepSpeed preparation
     # calls deepspeed.initialize, checked against this release. Installed with the rest (set-up runs
     # `pip install -e .`), so that `from ds_greedysnake import GreedySnakeTrainer` works everywhere.
+    # peft is pinned: model_split.py sees through its PeftModel wrapper and export.py writes adapters through
+    # its save_pretrained, checked against this release.
     install_requires=["deepspeed==0.19.8", "torch>=2.5", "numpy", "pytest", "matplotlib", "scipy>=1.10",
-                      "transformers==5.24.0", "accelerate==1.15.0", "tqdm", "safetensors"],
+                      "transformers==5.24.0", "accelerate==1.15.0", "peft==0.21.2", "tqdm", "safetensors"],
 )

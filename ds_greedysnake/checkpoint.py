@@ -8,6 +8,10 @@ that. A process killed at any moment of a save leaves the previous checkpoint an
 were. With a ``save_total_limit``, older checkpoints are removed only after that, never the one
 ``latest`` names.
 
+Only trainable parameters are saved: a layer's frozen weights never change, and come back from what the
+engine is initialized with (the base model of a LoRA run), so a LoRA checkpoint holds the adapters and
+their optimizer states only.
+
 Loading checks everything first on every rank (the state loads safely, every shard a rank needs is
 there and whole), agrees across ranks, and only then overwrites a layer: a checkpoint that cannot be
 loaded leaves the engine as it was. W' ranks load a checkpoint of W: each re-cuts its shard of each
@@ -130,7 +134,7 @@ def write_checkpoint(save_dir: str, tag: str, layers, optimizer, parallel, count
         writer.prepare()
     parallel.barrier()
     try:
-        for layer in layers:
+        for layer in _trainable(layers):
             writer.write_layer(layer.index, layer.numel, parallel.world_size, optimizer.read_layer_state(layer))
         if publisher:
             writer.write_state(state)
@@ -155,7 +159,7 @@ def restore_checkpoint(load_dir: str, tag: Optional[str], layers, optimizer, par
     (global_steps, global_samples, skipped_steps, optimizer, lr_scheduler, client_state), which the
     caller applies. Nothing is overwritten unless every rank found everything it needs."""
     folder, saved, state = _agreed(parallel, lambda: _open_and_check(load_dir, tag, layers, trust_pickle))
-    for layer in layers:
+    for layer in _trainable(layers):
         start = layer.layout.shard_start
         optimizer.restore_layer(layer, saved.read_range(layer.index, layer.numel, start, start + layer.shard_numel),
                                 with_moments)
@@ -169,10 +173,16 @@ def _open_and_check(load_dir: str, tag: Optional[str], layers,
     if saved.num_layers != len(layers):
         raise CheckpointError(f"{folder} holds {saved.num_layers} layers, the model has {len(layers)}")
     state = saved.load_state()
-    for layer in layers:
+    for layer in _trainable(layers):
         start = layer.layout.shard_start
         saved.check_layer(layer.index, layer.numel, start, start + layer.shard_numel)
     return folder, saved, state
+
+
+def _trainable(layers) -> List:
+    """The layers a checkpoint holds: those with trainable parameters. Frozen weights are not in it (they
+    come from the model or pretrained folder the engine starts from, as with a PEFT adapter checkpoint)."""
+    return [layer for layer in layers if layer.trainable]
 
 
 def _agreed(parallel, prepare: Callable):

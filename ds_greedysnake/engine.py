@@ -13,13 +13,13 @@ from .checkpoint import restore_checkpoint, write_checkpoint
 from .config import GreedySnakeConfig, worker_threads_for
 from .deepspeed_compat import EngineBase, accelerator_device
 from .executor import Executor, StepResult
-from .export import write_hf_checkpoint
+from .export import write_hf_checkpoint, write_peft_adapters
 from .layer import BufferPool, LayerOwner, Residency
 from .parallel import DataParallel
-from .model_split import plan_split
+from .model_split import peft_base_model, plan_split
 from .optimizer import LayerwiseAdam, OptimizerSettings
 from .pretrained import PretrainedWeights
-from .ssd import IoCounters, SsdStore, SwapFolderLock, padded_size
+from .ssd import IoCounters, SsdStore, SwapFolderLock
 from .weights import LayerParams, LayerSource, ModuleWeightAccess, WeightPlan, as_dtype
 
 
@@ -84,10 +84,6 @@ class GreedySnakeEngine(EngineBase):
         self.swap_folder = folder
         self.swap_lock = SwapFolderLock(folder)
         split = plan_split(self.module)
-        frozen = [name for name, p in self.module.named_parameters() if not p.requires_grad]
-        if frozen:
-            raise ValueError(f"frozen parameters {frozen[:5]} are not supported by greedysnake yet: "
-                             "make them trainable or move them out of the model")
         self.parallel = DataParallel(self.dp_world_size, dist.get_rank(group=self.data_parallel_group), device,
                                      self.data_parallel_group)
         self.layers = [LayerOwner(index, module, self.compute_dtype, device, self.parallel, split.borrowed_by(index))
@@ -112,11 +108,13 @@ class GreedySnakeEngine(EngineBase):
         # The layer computing and the ones being prefetched (with prefetch off, a fetch still needs two
         # at the turn, where layer L-2 stays with the head); one more for a lender resident with its
         # borrower (tied embeddings: layer 0 stays with the head).
-        pool = BufferPool(param_store, max(padded_size(layer.shard_bytes) for layer in self.layers),
+        pool = BufferPool(param_store, max(layer.read_buffer_bytes for layer in self.layers),
                           count=1 + prefetch_depth + (1 if split.ties else 0))
         for layer in self.layers:
-            shard = layer.layout.own_shard(self._initial_flat_weights(layer))
-            layer.offload(param_store, pool, shard, optimizer.layout.layers[layer.index])
+            trainable, frozen = self._initial_flat_weights(layer)
+            shard = layer.layout.own_shard(trainable)
+            layer.offload(param_store, pool, shard, optimizer.layout.layers[layer.index],
+                          layer.frozen_layout.own_shard(frozen))
             optimizer.initialise_layer(layer, shard.float())
         budget = int(setup.config.activation_host_memory_mb * 2**20)
         self.activations = ActivationStore(activation_store, budget, device, num_layers - 1,
@@ -125,10 +123,12 @@ class GreedySnakeEngine(EngineBase):
                                  setup.config.prefetch, overlap, deferred, prefetch_depth)
         return optimizer
 
-    def _initial_flat_weights(self, layer: LayerOwner) -> torch.Tensor:
+    def _initial_flat_weights(self, layer: LayerOwner):
+        """The layer's trainable and frozen weights, each as one flat host vector in the compute dtype."""
         if self._setup.pretrained is None:
             return layer.flat_parameters()
-        return self._setup.pretrained.flat_weights(layer.params, self.compute_dtype)
+        return tuple(self._setup.pretrained.flat_weights(params, self.compute_dtype)
+                     for params in (layer.params, layer.frozen_params))
 
     @property
     def weights_come_from_files(self) -> bool:
@@ -198,14 +198,15 @@ class GreedySnakeEngine(EngineBase):
         self.swap_lock.release()
 
     def master_parameters(self) -> Dict[str, torch.Tensor]:
-        """Every parameter's fp32 master weights by name, read back from SSD (pending updates first)."""
+        """Every parameter's fp32 master weights by name, read back from SSD (pending updates first); a
+        frozen parameter, which has no master, as stored (in the compute dtype), cast to fp32."""
         self.flush()
         names = {param: name for name, param in self.module.named_parameters()}
         result = {}
         for layer in self.layers:
             flat = self._read_full_master(layer.index)
             offset = 0
-            for param, shape in zip(layer.params, layer.param_shapes):
+            for param, shape in zip(layer.params + layer.frozen_params, layer.param_shapes + layer.frozen_shapes):
                 result[names[param]] = flat[offset:offset + shape.numel()].view(shape).clone()
                 offset += shape.numel()
         return result
@@ -214,15 +215,26 @@ class GreedySnakeEngine(EngineBase):
 
     def _install_weight_access(self) -> None:
         """engine.module.state_dict() and GatheredParameters over engine.module read the weights on SSD (weights.py)."""
-        source = LayerSource([LayerParams(layer.params, layer.param_shapes) for layer in self.layers],
-                             self._read_full_master, collective=self.parallel.world_size > 1)
+        source = LayerSource([LayerParams(layer.params + layer.frozen_params, layer.param_shapes + layer.frozen_shapes)
+                              for layer in self.layers],
+                             self._read_full_master, collective=self.parallel.world_size > 1,
+                             read_trainable=self._read_trainable_master)
         self.weight_plan = WeightPlan(self.module, source)
         self._weight_access = ModuleWeightAccess(
             self.module, self.weight_plan, self.compute_dtype, accelerator_device(), self.parallel.world_size,
             lambda index: self.layers[index].state == Residency.RESIDENT, self.data_parallel_group)
 
     def _read_full_master(self, index: int) -> torch.Tensor:
+        """Layer ``index``'s full fp32 master weights, then its frozen weights (cast to fp32: exact)."""
+        trainable = self._read_trainable_master(index)
+        if not self.layers[index].frozen_numel:
+            return trainable
+        return torch.cat([trainable, self.layers[index].read_frozen().float()])
+
+    def _read_trainable_master(self, index: int) -> torch.Tensor:
         layer = self.layers[index]
+        if not layer.trainable:
+            return torch.empty(0, dtype=torch.float32)
         shard = self.optimizer.read_master(layer)  # pending updates first
         return self.parallel.gather_to_host(shard, layer.layout)[:layer.numel]
 
@@ -233,9 +245,10 @@ class GreedySnakeEngine(EngineBase):
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
         """DeepSpeed's consolidated state dict: every state_dict() key in the compute dtype (bf16 under bf16,
         fp32 under fp32), tied keys sharing one tensor, on rank 0 (None elsewhere); read one layer at a time.
-        Every rank calls it. greedysnake has no frozen parameters, so ``exclude_frozen_parameters`` changes nothing."""
+        Every rank calls it. ``exclude_frozen_parameters``: without the frozen parameters (which are not read)."""
         self.flush()
-        return self.weight_plan.state_dict(self.compute_dtype, keep=lambda: self.global_rank == 0)
+        return self.weight_plan.state_dict(self.compute_dtype, keep=lambda: self.global_rank == 0,
+                                           exclude_frozen=exclude_frozen_parameters)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
@@ -252,10 +265,16 @@ class GreedySnakeEngine(EngineBase):
         """The model as a Hugging Face checkpoint: sharded safetensors, their index, config.json (and the
         generation config), loadable with AutoModelForCausalLM.from_pretrained. One layer and one shard
         are in host memory at a time. ``dtype``: the compute dtype by default; ``torch.float32`` gives the
-        fp32 master weights under bf16. Every rank calls it; rank 0 writes. Returns the weight files."""
+        fp32 master weights under bf16. Every rank calls it; rank 0 writes. Returns the weight files.
+        A PEFT model (``peft.get_peft_model``) gives what PEFT writes: its adapters only (the frozen base
+        is not read), loadable with ``PeftModel.from_pretrained(base, dir)``."""
         self.flush()
-        files = write_hf_checkpoint(self.weight_plan, save_directory, as_dtype(dtype, self.compute_dtype),
-                                    max_shard_size, writer=self.global_rank == 0)
+        dtype = as_dtype(dtype, self.compute_dtype)
+        if peft_base_model(self.module) is not None:
+            files = write_peft_adapters(self.weight_plan, save_directory, dtype, writer=self.global_rank == 0)
+        else:
+            files = write_hf_checkpoint(self.weight_plan, save_directory, dtype, max_shard_size,
+                                        writer=self.global_rank == 0)
         self.parallel.barrier()
         return files
 

@@ -12,7 +12,7 @@ from .activations import ActivationStore, InputGradients
 from .layer import LayerOwner
 from .optimizer import LayerwiseAdam, StepDecision
 from .rng import RngState, capture_rng_state, replaying
-from .schedule import Op, OpKind, build_step_schedule, layers_updated_after_decision
+from .schedule import Op, OpKind, build_step_schedule, layers_updated_after_decision, lowest_trainable
 
 MicroBatch = Tuple[torch.Tensor, torch.Tensor]  # (inputs, labels), already on the device
 
@@ -42,6 +42,10 @@ class Executor:
         # Exactness under clipping: nothing may be updated before the global norm is known.
         self.deferred_layers = layers_updated_after_decision(len(layers), overlap, deferred_layers,
                                                              optimizer.needs_every_gradient_first)
+        self._trainable = [layer.trainable for layer in layers]
+        # Backward stops at the lowest trainable layer: the layers under it need no stored input, no
+        # recompute and no input gradient.
+        self.backward_to = lowest_trainable(self._trainable, len(layers))
         self._schedules: Dict[int, List[Op]] = {}
         # Between backward's layers, per micro-batch; the latest on the device, the others in host memory.
         self._input_grads = InputGradients(layers[0].device)
@@ -52,7 +56,7 @@ class Executor:
         if num_micro_batches not in self._schedules:
             self._schedules[num_micro_batches] = build_step_schedule(
                 len(self.layers), num_micro_batches, self.prefetch, self.overlap, self.deferred_layers,
-                self.prefetch_depth)
+                self.prefetch_depth, self._trainable)
         return self._schedules[num_micro_batches]
 
     def run_step(self, micro_batches: Sequence[MicroBatch]) -> StepResult:
@@ -164,13 +168,15 @@ class Executor:
 
     @torch.no_grad()
     def _forward(self, layer: LayerOwner, micro_batch: int, micro_batches) -> None:
-        self._rng_states[(layer.index, micro_batch)] = capture_rng_state()
-        hidden = layer.module(self._layer_input(layer, micro_batch, micro_batches, keep=True))
+        recomputed = layer.index >= self.backward_to
+        if recomputed:
+            self._rng_states[(layer.index, micro_batch)] = capture_rng_state()
+        hidden = layer.module(self._layer_input(layer, micro_batch, micro_batches, keep=recomputed))
         self.activations.put(layer.index + 1, micro_batch, hidden)
 
     def _recompute(self, layer: LayerOwner, micro_batch: int, micro_batches):
         layer_input = self._layer_input(layer, micro_batch, micro_batches, keep=False)
-        if layer.index > 0:
+        if layer.index > self.backward_to:
             layer_input = layer_input.detach().requires_grad_(True)
         with torch.enable_grad(), replaying(self._rng_states.pop((layer.index, micro_batch), None)):
             return layer_input, layer.module(layer_input)
@@ -191,5 +197,5 @@ class Executor:
 
     def _finish_backward(self, layer, micro_batch, layer_input, output_grads) -> None:
         layer.accumulate_grads(self.grad_accumulate_dtype)
-        if layer.index > 0:
+        if layer.index > self.backward_to:
             output_grads.put(micro_batch, layer_input.grad)

@@ -138,6 +138,18 @@ def write_hf_checkpoint(plan: WeightPlan, out_dir: str, dtype: torch.dtype,
     return names + ([INDEX_FILE] if len(shards) > 1 else [])
 
 
+def write_peft_adapters(plan: WeightPlan, out_dir: str, dtype: torch.dtype, writer: bool = True) -> List[str]:
+    """What ``PeftModel.save_pretrained`` writes (adapter_config.json and adapter_model.safetensors: the adapter
+    weights only, under PEFT's keys), by PEFT itself, from the trainable weights: the frozen base is not read.
+    ``plan.module`` is the PeftModel. With a collective source every rank calls this and only the ``writer``
+    writes. Returns the files written."""
+    from peft.utils import SAFETENSORS_WEIGHTS_NAME
+    state_dict = plan.state_dict(dtype, keep=lambda: writer, exclude_frozen=True)
+    if writer:
+        plan.module.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
+    return [SAFETENSORS_WEIGHTS_NAME, "adapter_config.json"]
+
+
 def save_config(model: nn.Module, out_dir: str, dtype: torch.dtype) -> None:
     """config.json (with the weights' dtype and the model's class) and, for a generative model,
     generation_config.json."""

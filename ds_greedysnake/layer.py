@@ -12,6 +12,11 @@ drops them (waiting for a read in flight), and a layer is only updated once rele
 its slot is ever in flight while an update writes it. Each verb is a no-op when already done.
  ``stage`` starts the device copy ahead of ``fetch`` (off the CPU accelerator).
 
+Frozen parameters (``requires_grad=False``) are a second flat vector of the layer, in one read-only region
+written once at ``offload``: read together with the committed slot into the same host buffer (one read of
+both regions), bound with the trainable ones, never updated, with no gradient. A layer with no trainable
+parameter (``trainable`` false) has no slot at all: it is fetched and released, never updated.
+
 Copies to the device run on a transfer stream (``transfers.py``): a host buffer goes back to the pool
 with the guard of the copy reading it, and the pool hands it out again (to the next aio read) only
 once that copy has completed.
@@ -24,7 +29,7 @@ from torch import nn
 
 from . import deepspeed_compat
 from .parallel import DataParallel
-from .ssd import Region, SsdStore
+from .ssd import Region, SsdStore, padded_size
 from .ssd_layout import LayerLayout
 from .transfers import COMPLETE, Guard, Transfers
 from .updates import UpdateHandle
@@ -65,7 +70,10 @@ class LayerOwner:
         self.module = module
         # Borrowed parameters (tied embeddings) belong to a lender layer: stored, updated and checkpointed there.
         borrowed_ids = {id(param) for param in borrowed}
-        self.params: List[nn.Parameter] = [p for p in module.parameters() if id(p) not in borrowed_ids]
+        own = [p for p in module.parameters() if id(p) not in borrowed_ids]
+        # Trainable parameters: slots, gradient, optimizer states. Frozen ones: one read-only region.
+        self.params: List[nn.Parameter] = [p for p in own if p.requires_grad]
+        self.frozen_params: List[nn.Parameter] = [p for p in own if not p.requires_grad]
         # Layers whose parameters this one borrows: resident while it is, and its gradient for them goes to them.
         self.lenders: List["LayerOwner"] = []
         # Shapes are kept here: a released parameter's .data is an empty placeholder.
@@ -74,6 +82,10 @@ class LayerOwner:
         self.parallel = parallel
         self.layout = parallel.layout(self.numel)
         self.shard_numel = self.layout.shard_numel  # what this rank stores, on SSD and in the optimizer
+        self.frozen_shapes: List[torch.Size] = [deepspeed_compat.logical_shape(p) for p in self.frozen_params]
+        self.frozen_numel = sum(shape.numel() for shape in self.frozen_shapes)
+        self.frozen_layout = parallel.layout(self.frozen_numel)
+        self.frozen_region: Optional[Region] = None
         self.compute_dtype = compute_dtype
         self.device = device
         self.state = Residency.RESIDENT  # the module holds its initial weights until offload()
@@ -87,7 +99,8 @@ class LayerOwner:
         self._pool: Optional[BufferPool] = None
         self._host_buffer: Optional[torch.Tensor] = None
         self.transfers = Transfers.for_device(device)
-        self._staged: Optional[torch.Tensor] = None  # the full weights on the device, not bound yet (stage)
+        # The full trainable and frozen weights on the device, not bound yet (stage).
+        self._staged: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         self._grad_accumulator: Optional[torch.Tensor] = None
         self._move_buffers_to(device)
 
@@ -100,37 +113,91 @@ class LayerOwner:
                     submodule._buffers[name] = buffer.to(device)
 
     @property
+    def trainable(self) -> bool:
+        """Has parameters to train: a gradient, optimizer states and updates."""
+        return self.numel > 0
+
+    @property
     def shard_bytes(self) -> int:
-        return self.shard_numel * torch.empty(0, dtype=self.compute_dtype).element_size()
+        return self.shard_numel * self._element_bytes
+
+    @property
+    def frozen_shard_bytes(self) -> int:
+        return self.frozen_layout.shard_numel * self._element_bytes
+
+    @property
+    def read_buffer_bytes(self) -> int:
+        """Host buffer bytes a read of this layer needs: its committed slot, then its frozen region."""
+        return ((padded_size(self.shard_bytes) if self.trainable else 0)
+                + (padded_size(self.frozen_shard_bytes) if self.frozen_numel else 0))
+
+    @property
+    def _element_bytes(self) -> int:
+        return torch.empty(0, dtype=self.compute_dtype).element_size()
+
+    @property
+    def _frozen_offset(self) -> int:
+        """Where the frozen region's bytes start in a read buffer (after the trainable slot's)."""
+        return padded_size(self.shard_bytes) if self.trainable else 0
 
     @property
     def region(self) -> Region:
         """The committed parameter slot."""
         return self.param_regions[self.param_slot]
 
-    def flat_parameters(self) -> torch.Tensor:
-        """The current weights as one flat host vector in the compute dtype (initialisation only).
+    def flat_parameters(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The current trainable and frozen weights, each as one flat host vector in the compute dtype
+        (initialisation only).
 
         A model built under zero.Init is gathered one layer at a time, so the whole model never has
         to be in memory at once; its ZeRO-3 partitions are dropped once the copy is taken.
         """
-        with deepspeed_compat.gathered(self.params):
-            flat = torch.cat([p.detach().reshape(-1).to("cpu", self.compute_dtype) for p in self.params])
-        for param in self.params:
-            deepspeed_compat.drop_zero3_partition(param)
-        return flat
+        def flat(params):
+            return torch.cat([p.detach().reshape(-1).to("cpu", self.compute_dtype) for p in params] +
+                             [torch.empty(0, dtype=self.compute_dtype)])
 
-    def offload(self, store: SsdStore, pool: BufferPool, shard: torch.Tensor, layout: LayerLayout) -> None:
-        """Write this rank's shard of the initial weights to SSD and drop the weights from memory. The files
-        are as long as ``layout`` says (a one-slot layer's file may also hold its gradient)."""
+        everything = self.params + self.frozen_params
+        with deepspeed_compat.gathered(everything):
+            trainable, frozen = flat(self.params), flat(self.frozen_params)
+        for param in everything:
+            deepspeed_compat.drop_zero3_partition(param)
+        return trainable, frozen
+
+    def offload(self, store: SsdStore, pool: BufferPool, shard: torch.Tensor, layout: LayerLayout,
+                frozen_shard: Optional[torch.Tensor] = None) -> None:
+        """Write this rank's shard of the initial weights (and of the frozen ones, once and for all) to SSD
+        and drop the weights from memory. The files are as long as ``layout`` says (a one-slot layer's file
+        may also hold its gradient)."""
         assert layout.param_bytes == self.shard_bytes, (layout.param_bytes, self.shard_bytes)
+        assert layout.frozen_bytes == (self.frozen_shard_bytes if self.frozen_numel else 0), self.index
         self._store, self._pool = store, pool
         self.param_regions = [store.create_region(f"l{self.index}_s{slot}", self.shard_bytes, "param",
                                                   file_bytes=layout.parameter_file_bytes)
                               for slot in range(layout.param_slots)]
+        if self.frozen_numel:
+            self.frozen_region = store.create_region(f"l{self.index}_frozen", self.frozen_shard_bytes, "frozen")
+            buffer = pool.acquire()
+            buffer[:self.frozen_shard_bytes].view(self.compute_dtype).copy_(frozen_shard)
+            store.write(self.frozen_region, buffer)
+            pool.give_back(buffer)
         self._drop_parameters()
         self.state = Residency.ON_SSD
-        self.overwrite_weights(shard)
+        if self.trainable:
+            self.overwrite_weights(shard)
+
+    def read_frozen(self) -> torch.Tensor:
+        """The layer's full frozen weights (gathered over the ranks: every rank calls it) as a host copy in
+        the compute dtype, read from their region (exporting the model: between steps; the region is never
+        written again, so a read of the layer in flight does not matter)."""
+        if not self.frozen_numel:
+            return torch.empty(0, dtype=self.compute_dtype)
+        buffer = self._pool.acquire()
+        try:
+            self._store.read(self.frozen_region, buffer)
+            shard = buffer[:self.frozen_shard_bytes].view(self.compute_dtype).clone()
+        finally:
+            self._pool.give_back(buffer)
+        return self.parallel.gather_to_host(shard, self.frozen_layout)[:self.frozen_numel].clone()
 
     def overwrite_weights(self, shard: torch.Tensor) -> None:
         """Replace this rank's committed weights (initialisation, loading a checkpoint); layer not in use."""
@@ -194,28 +261,38 @@ class LayerOwner:
     def _fetch_own(self) -> None:
         if self.state == Residency.RESIDENT:
             return
-        flat = self._staged if self._staged is not None else self._copy_in()
+        flat, frozen = self._staged if self._staged is not None else self._copy_in()
         self._staged = None
-        offset = 0
-        for param, shape in zip(self.params, self.param_shapes):
-            param.data = flat[offset:offset + shape.numel()].view(shape)
-            offset += shape.numel()
+        for params, shapes, values in ((self.params, self.param_shapes, flat),
+                                       (self.frozen_params, self.frozen_shapes, frozen)):
+            offset = 0
+            for param, shape in zip(params, shapes):
+                param.data = values[offset:offset + shape.numel()].view(shape)
+                offset += shape.numel()
         self.state = Residency.RESIDENT
 
-    def _copy_in(self) -> torch.Tensor:
-        """The full weights on the device: the read waited for, copied on the inbound stream (compute
-        waits for it on the device), gathered over the ranks."""
+    def _copy_in(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The full trainable and frozen weights on the device: the read waited for, copied on the inbound
+        stream (compute waits for it on the device), gathered over the ranks."""
         if self.state == Residency.ON_SSD:
             self.wait_for_update()
             self._start_read()
         self._store.wait_for_read(self._host_buffer)
-        shard = self._host_buffer[:self.shard_bytes].view(self.compute_dtype)
-        shard, copied = self.transfers.to_device(shard)  # the CPU accelerator: the host buffer itself
-        flat = self.parallel.gather(shard, self.layout)
-        if flat.data_ptr() != self._host_buffer.data_ptr():
-            self._pool.give_back(self._host_buffer, copied)  # reused once the copy completed
+        buffer, copied = self._host_buffer, COMPLETE
+        full = []
+        for offset, num_bytes, layout in ((0, self.shard_bytes, self.layout),
+                                          (self._frozen_offset, self.frozen_shard_bytes, self.frozen_layout)):
+            if not num_bytes:
+                full.append(torch.empty(0, dtype=self.compute_dtype, device=self.device))
+                continue
+            shard = buffer[offset:offset + num_bytes].view(self.compute_dtype)
+            # The CPU accelerator: the host buffer itself. Copies on one stream: the last one's guard covers both.
+            shard, copied = self.transfers.to_device(shard)
+            full.append(self.parallel.gather(shard, layout))
+        if all(not _views(values, buffer) for values in full):
+            self._pool.give_back(buffer, copied)  # reused once the copies completed
             self._host_buffer = None
-        return flat
+        return full[0], full[1]
 
     def release(self) -> None:
         for lender in self.lenders:
@@ -235,11 +312,12 @@ class LayerOwner:
         assert not self.weights_hold_gradient, f"layer {self.index} read before its update wrote its weights"
         self.pending_update = None  # finished: polled or waited by the caller
         self._host_buffer = self._pool.acquire()
-        self._store.start_read(self.region, self._host_buffer)
+        regions = ([self.region] if self.trainable else []) + ([self.frozen_region] if self.frozen_numel else [])
+        self._store.start_read_regions(regions, self._host_buffer)
         self.state = Residency.READING
 
     def _drop_parameters(self) -> None:
-        for param in self.params:
+        for param in self.params + self.frozen_params:
             param.data = torch.empty(0, dtype=self.compute_dtype, device=self.device)
 
     # ------------------------------------------------------------------ gradients
@@ -251,6 +329,10 @@ class LayerOwner:
         it, so autograd adds the next micro-batches' gradients in place (what DDP's
         gradient_as_bucket_view does): no fresh gradient tensor and no extra pass per micro-batch.
         """
+        if not self.trainable:
+            for lender in self.lenders:
+                lender.accumulate_grads(accumulate_dtype)
+            return
         if self._grad_accumulator is None:
             # Padded to divide over the ranks; the padding stays zero.
             self._grad_accumulator = torch.zeros(self.layout.padded_numel, dtype=accumulate_dtype, device=self.device)
@@ -278,3 +360,8 @@ class LayerOwner:
         self._grad_accumulator = None
         for param in self.params:
             param.grad = None
+
+
+def _views(values: torch.Tensor, buffer: torch.Tensor) -> bool:
+    """``values`` is (a view of) ``buffer``'s memory, not a copy."""
+    return values.numel() > 0 and values.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()

@@ -39,6 +39,15 @@ class ModelSplit:
         return [tie.lender for tie in self.ties if tie.borrower == index]
 
 
+def peft_base_model(model: nn.Module):
+    """The model a PEFT wrapper (``peft.get_peft_model``) holds, or None for any other model."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return None
+    return model.get_base_model() if isinstance(model, PeftModel) else None
+
+
 def split_model(model: nn.Module) -> List[nn.Module]:
     return plan_split(model).layers
 
@@ -47,7 +56,13 @@ def plan_split(model: nn.Module) -> ModelSplit:
     """The layers and the parameters the head borrows from the input layer (tied embeddings)."""
     from .models.hf import hf_layers, is_hf_causal_lm  # hf imports ModelSplitError from here
 
-    if hasattr(model, "greedysnake_layers"):
+    base = peft_base_model(model)
+    if base is not None:
+        # PEFT injects its adapters into the base model's own modules (LoRA wraps each target Linear), so
+        # the base model's split holds them: the PeftModel around it adds no parameter of its own.
+        layers = plan_split(base).layers
+        source = f"the split of {type(base).__name__} inside {type(model).__name__}"
+    elif hasattr(model, "greedysnake_layers"):
         layers = list(model.greedysnake_layers())
         source = f"{type(model).__name__}.greedysnake_layers()"
     elif isinstance(model, nn.Sequential):

@@ -23,6 +23,11 @@ With the worker, the states the next step's updates read first are hinted after 
 (``announce_update_order``): the worker reads them while it has nothing else to do
 (``optimizer_read_ahead_mb``, update_pipeline.py).
 
+Frozen parameters have no state, gradient or update here: a layer's frozen ones live in a read-only region
+of the layer (layer.py), and a layer with nothing to train (``trainable`` false) is never handed to
+``receive_gradient`` or ``update_layer`` (the schedule has no flush or update for it); the gradient norm
+and clipping are over the trainable parameters, as in PyTorch and DeepSpeed.
+
 The global part of a step (gradient norm, non-finite skip, clip coefficient, learning rate and
 step count) needs every layer's gradient and is decided once, in ``decide_step``.
 """
@@ -145,7 +150,8 @@ class LayerwiseAdam(torch.optim.Optimizer):
         self._gradient_dtype = settings.gradient_dtype
         self._piece_numel = STATE_PIECE_NUMEL
         shard_numels = [layer.shard_numel for layer in layers]
-        self.layout: SsdLayout = plan_layout(shard_numels, settings.layout_settings())
+        self.layout: SsdLayout = plan_layout(shard_numels, settings.layout_settings(),
+                                             [layer.frozen_layout.shard_numel for layer in layers])
         # Before any file exists: the disk must hold all of it (the activation spill is checked when its
         # size is known, activations.py).
         self.ssd_bytes = self.layout.bytes_by_kind()
@@ -157,11 +163,13 @@ class LayerwiseAdam(torch.optim.Optimizer):
         self._state_regions: Dict[int, List[List[Region]]] = {}  # layers whose states are on SSD: slots of pieces
         self._state_slot: List[int] = [0] * len(layers)
         self._grad_regions: Dict[int, Region] = {}  # layers whose gradient goes through SSD
-        self._grad_sq_norms: List[Optional[float]] = [None] * len(layers)
+        self._grad_sq_norms: List[Optional[float]] = self._no_norms()
         self._speculative: Dict[int, Tuple[UpdateHandle, int, int]] = {}
         self._gradient_over_weights: Set[int] = set()  # one-slot layers whose file holds this step's gradient
         self._next_task_id = 0
         for layer, placed in zip(layers, self.layout.layers):
+            if not placed.trainable:
+                continue  # nothing but its frozen region, which the layer owns
             assert (placed.state_slots == 0) == self.host.optimizer_states.holds(layer.index), layer.index
             assert placed.gradient_on_ssd != self.host.gradients.holds(layer.index), layer.index
             if placed.state_slots:
@@ -198,13 +206,16 @@ class LayerwiseAdam(torch.optim.Optimizer):
 
     def _check_disk(self, settings: OptimizerSettings) -> None:
         """Log the SSD bytes per kind and fail, naming the bytes needed and free, when the disk cannot hold them."""
-        num_params = sum(layer.numel for layer in self._layers)
+        num_params = sum(layer.numel + layer.frozen_numel for layer in self._layers)
         ranks = settings.ranks_sharing_disk
         for_ranks = f" for each of {ranks} ranks on this machine" if ranks > 1 else ""
         in_place = sum(1 for placed in self.layout.layers if placed.in_place)
+        frozen = sum(1 for placed in self.layout.layers if not placed.trainable)
+        speculative = len(self._layers) - in_place - frozen
+        frozen_note = f", {frozen} entirely frozen (never updated)" if frozen else ""
         log_dist(f"greedysnake SSD space{for_ranks}: {describe(self.ssd_bytes, num_params, activation_known=False)}; "
-                 f"{in_place} of {len(self._layers)} layers updated in place (one slot), the others speculatively "
-                 f"(two slots); under {self._store.folder}", ranks=[0])
+                 f"{in_place} of {len(self._layers)} layers updated in place (one slot), {speculative} "
+                 f"speculatively (two slots){frozen_note}; under {self._store.folder}", ranks=[0])
         kinds = ", ".join(f"{kind} {value:,}" for kind, value in self.ssd_bytes.items() if value)
         check_free_space(sum(self.ssd_bytes.values()) * ranks, self._store.folder,
                          f"parameters, optimizer states and gradients ({kinds} bytes){for_ranks}")
@@ -217,6 +228,8 @@ class LayerwiseAdam(torch.optim.Optimizer):
     def initialise_layer(self, layer: LayerOwner, master: torch.Tensor) -> None:
         """Write the fp32 master weights and zero moments of a layer before its first step (after
         ``layer.offload``, whose file a one-slot layer's gradient shares)."""
+        if not layer.trainable:
+            return
         if self.layout.layers[layer.index].gradient_in_parameter_file:
             self._grad_regions[layer.index] = layer.gradient_region(self.layout.layers[layer.index].gradient_bytes)
         zeros = torch.zeros_like(master)
@@ -255,7 +268,7 @@ class LayerwiseAdam(torch.optim.Optimizer):
         assert not missing, f"layers {missing} handed no gradient this step"
         # Each rank holds a shard of every gradient: the squared norms add up over ranks.
         norm = math.sqrt(self.parallel.sum(sum(self._grad_sq_norms)))
-        self._grad_sq_norms = [None] * len(self._layers)
+        self._grad_sq_norms = self._no_norms()
         skipped = not math.isfinite(norm)
         coefficient = 1.0
         if self.gradient_clipping > 0 and not skipped:
@@ -337,7 +350,7 @@ class LayerwiseAdam(torch.optim.Optimizer):
     def abandon_step(self) -> None:
         """A step failed before its decision: forget its gradients, discard its speculative updates, and
         give back the weights its gradients overwrote (every layer is released by now)."""
-        self._grad_sq_norms = [None] * len(self._layers)
+        self._grad_sq_norms = self._no_norms()
         self._speculative.clear()
         for index in sorted(self._gradient_over_weights):
             try:
@@ -353,6 +366,8 @@ class LayerwiseAdam(torch.optim.Optimizer):
         """A copy of a layer's fp32 master weights (for checks and exporting the model), without its moments:
         an export holds one layer's weights, not three times that."""
         self.flush()
+        if not layer.trainable:
+            return torch.empty(0, dtype=torch.float32)
         if layer.index not in self._state_regions:
             return self.host.optimizer_states.slot(layer.index, 3 * layer.shard_numel)[:layer.shard_numel].clone()
         master = torch.empty(layer.shard_numel, dtype=torch.float32)
@@ -365,6 +380,8 @@ class LayerwiseAdam(torch.optim.Optimizer):
     def read_layer_state(self, layer: LayerOwner) -> LayerState:
         """Copies of a layer's committed fp32 master weights and Adam moments."""
         self.flush()
+        if not layer.trainable:
+            return LayerState(*(torch.empty(0, dtype=torch.float32) for _ in range(3)))
         if layer.index not in self._state_regions:
             states = self.host.optimizer_states.slot(layer.index, 3 * layer.shard_numel)
             return LayerState(*(part.clone() for part in states.split(layer.shard_numel)))
@@ -422,6 +439,11 @@ class LayerwiseAdam(torch.optim.Optimizer):
     def close(self) -> None:
         self.updater.close()
         self.host.close()
+
+    def _no_norms(self) -> List[Optional[float]]:
+        """Each layer's squared gradient norm of a step not yet handed over: None, 0 for a layer with nothing
+        to train (it hands none)."""
+        return [None if layer.trainable else 0.0 for layer in self._layers]
 
     def _commit(self, layer: LayerOwner, handle: UpdateHandle, state_slot: int, param_slot: int) -> None:
         # Readers wait on the handle before they read the slots committed here.

@@ -11,13 +11,17 @@ micro-batch. Backward then walks down to layer 0, recomputing each layer from it
 Layer L-2, the last of the forward sweep, stays resident across the turn to the backward sweep, so
 the parameters are read 2L-2 times per step, whatever M (two layers resident at the turn).
 
+Layers with nothing to train (every parameter frozen) get no gradient flush and no update; backward
+still runs through them to reach the trainable layers below, and stops at the lowest trainable layer
+(``backward_to``): layers under it are read once per step, by forward only.
+
 For L=4, M=3 the compute order, as (layer, micro-batch), is:
     forward : (0,0)(0,1)(0,2) (1,2)(1,1)(1,0) (2,0)(2,1)(2,2)
     backward: (3,2)(3,1)(3,0) (2,0)(2,1)(2,2) (1,2)(1,1)(1,0) (0,0)(0,1)(0,2)
 """
 from dataclasses import dataclass
 from enum import Enum
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 
 class OpKind(str, Enum):
@@ -52,22 +56,39 @@ def micro_batch_order(layer: int, num_micro_batches: int) -> List[int]:
     return ascending if layer % 2 == 0 else ascending[::-1]
 
 
-def fetch_order(num_layers: int) -> List[int]:
-    """The layers in the order the step fetches them: 0 .. L-2 forward, then L-1 down to 0 backward
-    (layer L-2's second fetch finds it still resident)."""
+def fetch_order(num_layers: int, backward_to: int = 0) -> List[int]:
+    """The layers in the order the step fetches them: 0 .. L-2 forward, then L-1 down to ``backward_to``
+    backward (layer L-2's second fetch finds it still resident)."""
     last = num_layers - 1
-    return list(range(last)) + list(range(last, -1, -1))
+    return list(range(last)) + list(range(last, backward_to - 1, -1))
 
 
-def prefetch_targets(num_layers: int, prefetch_depth: int) -> List[Optional[int]]:
+def lowest_trainable(trainable: Optional[Sequence[bool]], num_layers: int) -> int:
+    """Where backward stops: the lowest layer with something to train (every layer: 0)."""
+    if trainable is None:
+        return 0
+    if len(trainable) != num_layers:
+        raise ValueError(f"trainable has {len(trainable)} entries for {num_layers} layers")
+    if not any(trainable):
+        raise ValueError("no layer has a trainable parameter: there is nothing to train")
+    return list(trainable).index(True)
+
+
+def keeps_turn_layer(num_layers: int, backward_to: int) -> bool:
+    """Layer L-2 stays resident from forward into backward when backward reaches it."""
+    return backward_to <= num_layers - 2
+
+
+def prefetch_targets(num_layers: int, prefetch_depth: int, backward_to: int = 0) -> List[Optional[int]]:
     """For each position of ``fetch_order``, the layer whose read starts right after that fetch: the one
     ``prefetch_depth`` fetches ahead, unless it is resident then (layer L-2 across the turn). So at
     most ``prefetch_depth`` reads are in flight, each started as early as that allows."""
-    order, turn = fetch_order(num_layers), num_layers - 2
+    order, turn = fetch_order(num_layers, backward_to), num_layers - 2
+    kept = keeps_turn_layer(num_layers, backward_to)
 
     def resident_at(position: int) -> set:
         # Layer L-2 is resident from its forward fetch (position L-2) to its backward (position L).
-        return {order[position]} | ({turn} if turn <= position <= turn + 2 else set())
+        return {order[position]} | ({turn} if kept and turn <= position <= turn + 2 else set())
 
     targets: List[Optional[int]] = []
     for position in range(len(order)):
@@ -81,7 +102,7 @@ def prefetch_targets(num_layers: int, prefetch_depth: int) -> List[Optional[int]
 
 def build_step_schedule(num_layers: int, num_micro_batches: int, prefetch: bool = True,
                         overlap: bool = False, deferred_layers: Optional[int] = None,
-                        prefetch_depth: int = 1) -> List[Op]:
+                        prefetch_depth: int = 1, trainable: Optional[Sequence[bool]] = None) -> List[Op]:
     """Every operation of one training step, in the order the executor runs them.
 
     With ``prefetch``, ``prefetch_depth`` parameter reads are kept in flight ahead of the layer
@@ -93,6 +114,9 @@ def build_step_schedule(num_layers: int, num_micro_batches: int, prefetch: bool 
     their gradient is flushed (committed or discarded by the decision), and layers 0 .. deferred_layers-1
     after the decision; those updates run asynchronously into the next step's forward. Either way a
     layer's fetch waits for its pending update (the handle it holds): optimizer(l) before forward(l).
+
+    ``trainable`` (one flag per layer, default all): a layer without trainable parameters gets no flush and
+    no update, and backward stops at the lowest trainable layer.
     """
     if num_layers < 2:
         raise ValueError(f"num_layers must be at least 2 (an input layer and an output layer), got {num_layers}")
@@ -108,8 +132,10 @@ def build_step_schedule(num_layers: int, num_micro_batches: int, prefetch: bool 
     if prefetch_depth < 1:
         raise ValueError(f"prefetch_depth must be at least 1, got {prefetch_depth}")
     last = num_layers - 1
+    backward_to = lowest_trainable(trainable, num_layers)
+    trains = list(trainable) if trainable is not None else [True] * num_layers
     ops: List[Op] = []
-    targets = iter(prefetch_targets(num_layers, prefetch_depth))
+    targets = iter(prefetch_targets(num_layers, prefetch_depth, backward_to))
 
     def fetch(layer: int) -> None:
         ops.append(Op(OpKind.FETCH, layer))
@@ -119,24 +145,26 @@ def build_step_schedule(num_layers: int, num_micro_batches: int, prefetch: bool 
             ops.append(Op(OpKind.PREFETCH, target))
 
     if prefetch:
-        ops.extend(Op(OpKind.PREFETCH, layer) for layer in dict.fromkeys(fetch_order(num_layers)[:prefetch_depth]))
+        ops.extend(Op(OpKind.PREFETCH, layer)
+                   for layer in dict.fromkeys(fetch_order(num_layers, backward_to)[:prefetch_depth]))
     for layer in range(last):
         fetch(layer)
         ops.extend(Op(OpKind.FORWARD, layer, mb) for mb in micro_batch_order(layer, num_micro_batches))
-        if layer != last - 1:
+        if layer != last - 1 or not keeps_turn_layer(num_layers, backward_to):
             # The backward sweep needs layer L-2 right after the last layer: keep it rather than read it again.
             ops.append(Op(OpKind.RELEASE, layer))
-    for layer in range(last, -1, -1):
+    for layer in range(last, backward_to - 1, -1):
         fetch(layer)
         kind = OpKind.LOSS_BACKWARD if layer == last else OpKind.BACKWARD
         ops.extend(Op(kind, layer, mb) for mb in micro_batch_order(layer, num_micro_batches))
-        ops.append(Op(OpKind.FLUSH_GRADS, layer))
+        if trains[layer]:
+            ops.append(Op(OpKind.FLUSH_GRADS, layer))
         ops.append(Op(OpKind.RELEASE, layer))
-        if layer >= deferred_layers:
+        if trains[layer] and layer >= deferred_layers:
             ops.append(Op(OpKind.UPDATE, layer))
     ops.append(Op(OpKind.DECIDE_STEP))
     # Front layers first: the next forward needs layer 0 first.
-    ops.extend(Op(OpKind.UPDATE, layer) for layer in range(deferred_layers))
+    ops.extend(Op(OpKind.UPDATE, layer) for layer in range(deferred_layers) if trains[layer])
     return ops
 
 
@@ -159,7 +187,7 @@ def format_schedule(ops: List[Op]) -> str:
     return " ".join(str(op) for op in ops)
 
 
-def parameter_reads_per_step(num_layers: int) -> int:
+def parameter_reads_per_step(num_layers: int, backward_to: int = 0) -> int:
     """Layer reads one step makes: once per layer for forward (the last layer has none), once for backward
-    (layer L-2 has none: it stays resident across the turn)."""
-    return (num_layers - 1) + (num_layers - 1)
+    down to ``backward_to`` (layer L-2 has none: it stays resident across the turn)."""
+    return len(fetch_order(num_layers, backward_to)) - (1 if keeps_turn_layer(num_layers, backward_to) else 0)

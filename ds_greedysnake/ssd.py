@@ -13,7 +13,7 @@ import glob
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Dict, List, Sequence
 
 import torch
 
@@ -185,9 +185,18 @@ class SsdStore:
 
     def start_read(self, region: Region, buffer: torch.Tensor) -> None:
         """Begin reading ``region`` into ``buffer``; ``wait`` completes and checks it."""
-        self._check_buffer(region, buffer)
-        _tag_view(buffer[:region.padded_bytes]).zero_()
-        self._submit(_Transfer("read", region, buffer))
+        self.start_read_regions([region], buffer)
+
+    def start_read_regions(self, regions: Sequence[Region], buffer: torch.Tensor) -> None:
+        """Begin reading ``regions`` into consecutive parts of one buffer (each at the sum of the padded sizes
+        before it: ``buffer_offsets``), on one read handle, as one read: ``wait_for_read(buffer)`` completes
+        and checks them all (a layer's trainable weights and its frozen ones)."""
+        handle = self._free_read_handle()
+        for region, offset in zip(regions, buffer_offsets(regions)):
+            part = buffer[offset:]
+            self._check_buffer(region, part)
+            _tag_view(part[:region.padded_bytes]).zero_()
+            self._submit(_Transfer("read", region, buffer, offset=offset), handle)
 
     def wait(self) -> None:
         """Complete every transfer in flight: check the op count and each read's tag, count the bytes."""
@@ -199,15 +208,17 @@ class SsdStore:
     def wait_for_read(self, buffer: torch.Tensor) -> None:
         """Complete the read in flight into ``buffer`` (checked and counted as by ``wait``), leaving the
         other transfers in flight; with one read handle (its reads share it), this is ``wait``."""
-        transfer = next((t for t in self._in_flight if t.kind == "read" and t.buffer is buffer), None)
-        if transfer is None:
+        mine = [t for t in self._in_flight if t.kind == "read" and t.buffer is buffer]
+        if not mine:
             return  # completed by an earlier wait
         if len(self._read_handles) == 1:
             self.wait()
             return
-        self._in_flight.remove(transfer)
-        completed = transfer.handle.wait() if transfer.num_ops else 0
-        self._check_completed([transfer], completed)
+        # One read (of one region or several) is on one handle, alone there (``_free_read_handle``).
+        assert len({id(t.handle) for t in mine}) == 1, "the parts of one read went to different handles"
+        self._in_flight = [t for t in self._in_flight if all(t is not other for other in mine)]
+        completed = mine[0].handle.wait() if any(t.num_ops for t in mine) else 0
+        self._check_completed(mine, completed)
 
     def _check_completed(self, transfers: List["_Transfer"], completed: int) -> None:
         expected_ops = sum(transfer.num_ops for transfer in transfers)
@@ -221,7 +232,7 @@ class SsdStore:
         for transfer in transfers:
             region = transfer.region
             if transfer.kind == "read":
-                found = int(_tag_view(transfer.buffer[:region.padded_bytes]).item())
+                found = int(_tag_view(transfer.target()).item())
                 if found != region.expected_tag():
                     raise SsdIoError(errno.EIO, f"aio read of {region.padded_bytes} bytes from {region.path} found "
                                      f"tag {found:#x}, expected {region.expected_tag():#x}: the data on SSD is not "
@@ -262,12 +273,14 @@ class SsdStore:
             return self._read_handles[0]
         return free[0]
 
-    def _submit(self, transfer: "_Transfer") -> None:
-        handle = self._free_read_handle() if transfer.kind == "read" else self._write_handle
+    def _submit(self, transfer: "_Transfer", handle=None) -> None:
+        if handle is None:
+            handle = self._free_read_handle() if transfer.kind == "read" else self._write_handle
         transfer.handle = handle
         region, issue = transfer.region, (handle.pread if transfer.kind == "read" else handle.pwrite)
+        target = transfer.target()
         for offset, length in chunks(region.padded_bytes):
-            result = issue(transfer.buffer[offset:offset + length], region.path, False, True, offset)
+            result = issue(target[offset:offset + length], region.path, False, True, offset)
             if result < 0:
                 # Complete whatever is in flight (a handle destroyed with pending ops aborts the
                 # process); none of it is trusted after a failed submission.
@@ -290,9 +303,22 @@ class SsdStore:
 class _Transfer:
     kind: str  # "read" or "write"
     region: Region
-    buffer: torch.Tensor
+    buffer: torch.Tensor  # the whole buffer (what wait_for_read names)
     num_ops: int = 0
     handle: object = None  # the aio handle its ops went to
+    offset: int = 0  # where in ``buffer`` the region's bytes go
+
+    def target(self) -> torch.Tensor:
+        return self.buffer[self.offset:self.offset + self.region.padded_bytes]
+
+
+def buffer_offsets(regions: Sequence[Region]) -> List[int]:
+    """Where each of ``regions`` starts in a buffer holding them one after another (``start_read_regions``)."""
+    offsets, total = [], 0
+    for region in regions:
+        offsets.append(total)
+        total += region.padded_bytes
+    return offsets
 
 
 def chunks(num_bytes: int):

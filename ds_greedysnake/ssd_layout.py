@@ -18,6 +18,10 @@ Per layer, on SSD (this rank's shard of ``n`` elements; ``c`` bytes per weight, 
   update to write new weights over the gradient, rewrites the weights from the fp32 master instead
   (they are always its cast).
 
+* frozen parameters (``requires_grad=False``): one read-only region of ``c`` bytes per frozen element,
+  written once at initialize and read with the layer's trainable weights; no gradient, no optimizer state.
+  A layer with only frozen parameters has nothing else (no slots at all).
+
 Every region is padded to 4096 bytes with an 8-byte tag at its end (``ssd.py``).
 """
 import errno
@@ -28,7 +32,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 ALIGNMENT = 4096
 TAG_BYTES = 8
 OPTIMIZER_STATE_BYTES_PER_PARAM = 12  # fp32 master, exp_avg, exp_avg_sq
-KINDS = ("parameters", "optimizer states", "gradients", "activation spill")
+KINDS = ("parameters", "frozen parameters", "optimizer states", "gradients", "activation spill")
 # 4 Mi elements: a 48 MiB piece buffer, two per executing process (update_pipeline.py).
 STATE_PIECE_NUMEL = 1 << 22
 
@@ -53,6 +57,8 @@ def host_slot_offsets(order: Iterable[int], numels: Sequence[int], bytes_per_ele
     each slot a multiple of 4096 bytes, while the running total fits the budget (host_memory.py)."""
     offsets, total = {}, 0
     for layer_index in order:
+        if not numels[layer_index]:
+            continue  # a layer with nothing to train has no gradient and no states
         slot_bytes = round_up(bytes_per_element * numels[layer_index], ALIGNMENT)
         if total + slot_bytes > budget_bytes:
             break
@@ -71,6 +77,11 @@ class LayerLayout:
     param_bytes: int              # payload of one parameter slot (compute dtype)
     gradient_bytes: int           # payload of the gradient (accumulation dtype)
     piece_numel: int              # elements per optimizer-state piece
+    frozen_bytes: int = 0         # payload of the frozen parameters' one read-only region (0: none)
+
+    @property
+    def trainable(self) -> bool:
+        return self.numel > 0
 
     @property
     def in_place(self) -> bool:
@@ -98,6 +109,7 @@ class LayerLayout:
         elif self.gradient_on_ssd:
             gradients = padded_size(self.gradient_bytes)
         return {"parameters": self.param_slots * padded_size(self.param_bytes),
+                "frozen parameters": padded_size(self.frozen_bytes) if self.frozen_bytes else 0,
                 "optimizer states": self.state_slots * sum(self.state_piece_bytes()),
                 "gradients": gradients}
 
@@ -127,10 +139,15 @@ class SsdLayout:
         return total
 
 
-def plan_layout(shard_numels: Sequence[int], settings: LayoutSettings) -> SsdLayout:
+def plan_layout(shard_numels: Sequence[int], settings: LayoutSettings,
+                frozen_shard_numels: Optional[Sequence[int]] = None) -> SsdLayout:
     """Each layer's regions: slots by the speculation rule, host slots as host_memory.py assigns them
-    (gradients from the last layer down, states from layer 0 up among the post-decision layers)."""
+    (gradients from the last layer down, states from layer 0 up among the post-decision layers).
+    ``shard_numels``: each layer's trainable elements on this rank (0: a layer entirely frozen, which gets
+    no slot); ``frozen_shard_numels``: its frozen ones (default none)."""
     count = len(shard_numels)
+    frozen = list(frozen_shard_numels) if frozen_shard_numels is not None else [0] * count
+    assert len(frozen) == count, (len(frozen), count)
     in_place = settings.post_decision_layers if settings.in_place_layers is None else settings.in_place_layers
     assert 0 <= in_place <= settings.post_decision_layers <= count, (in_place, settings.post_decision_layers, count)
     host_gradients = host_slot_offsets(reversed(range(count)), shard_numels, 4, settings.gradient_host_bytes)
@@ -138,10 +155,11 @@ def plan_layout(shard_numels: Sequence[int], settings: LayoutSettings) -> SsdLay
                                     OPTIMIZER_STATE_BYTES_PER_PARAM, settings.optimizer_host_bytes)
     layers = []
     for index, numel in enumerate(shard_numels):
-        slots = 1 if index < in_place else 2
-        layers.append(LayerLayout(numel, slots, 0 if index in host_states else slots, index not in host_gradients,
-                                  settings.compute_bytes * numel, settings.gradient_bytes * numel,
-                                  settings.piece_numel))
+        slots = (1 if index < in_place else 2) if numel else 0
+        layers.append(LayerLayout(numel, slots, 0 if index in host_states else slots,
+                                  bool(numel) and index not in host_gradients, settings.compute_bytes * numel,
+                                  settings.gradient_bytes * numel, settings.piece_numel,
+                                  settings.compute_bytes * frozen[index]))
     return SsdLayout(layers)
 
 

@@ -26,7 +26,8 @@ class WeightsAccessError(RuntimeError):
 
 @dataclass
 class LayerParams:
-    """One layer's own parameters (not those it borrows) and their full shapes, in flat-vector order."""
+    """One layer's own parameters (not those it borrows) and their full shapes, in flat-vector order: the
+    trainable ones first, then the frozen ones (LayerOwner's two vectors, one after the other)."""
     params: List[nn.Parameter]
     shapes: List[torch.Size]
 
@@ -34,14 +35,19 @@ class LayerParams:
     def numel(self) -> int:
         return sum(shape.numel() for shape in self.shapes)
 
+    @property
+    def trainable_numel(self) -> int:
+        return sum(shape.numel() for param, shape in zip(self.params, self.shapes) if param.requires_grad)
+
 
 def layer_params_of(split: ModelSplit) -> List[LayerParams]:
     """Each layer's own parameters in the order LayerOwner flattens them (module.parameters(), less the
-    borrowed ones)."""
+    borrowed ones; trainable, then frozen)."""
     result = []
     for index, module in enumerate(split.layers):
         borrowed = split.borrowed_by(index)
-        params = [p for p in module.parameters() if all(p is not b for b in borrowed)]
+        own = [p for p in module.parameters() if all(p is not b for b in borrowed)]
+        params = [p for p in own if p.requires_grad] + [p for p in own if not p.requires_grad]
         result.append(LayerParams(params, [deepspeed_compat.logical_shape(p) for p in params]))
     return result
 
@@ -55,13 +61,18 @@ class ParamSlice:
 
 class LayerSource:
     """Where a model's weights come from: its layers' parameters, and a reader of one layer's full fp32
-    master vector (``read_master(index)``, exactly ``layers[index].numel`` elements, on the host).
-    ``collective``: every rank must read every layer, in the same order (the engine on several ranks)."""
+    master vector (``read_master(index)``, exactly ``layers[index].numel`` elements, on the host; frozen
+    weights, which have no master, as stored). ``read_trainable(index)``: its first ``trainable_numel``
+    elements alone (default: read_master's, cut), so that the trainable weights come without reading the
+    frozen ones. ``collective``: every rank must read every layer, in the same order (the engine on several
+    ranks)."""
 
-    def __init__(self, layers: List[LayerParams], read_master: Callable[[int], torch.Tensor], collective: bool = False):
+    def __init__(self, layers: List[LayerParams], read_master: Callable[[int], torch.Tensor], collective: bool = False,
+                 read_trainable: Optional[Callable[[int], torch.Tensor]] = None):
         self.layers = layers
         self.read_master = read_master
         self.collective = collective
+        self.read_trainable = read_trainable or (lambda index: read_master(index)[:layers[index].trainable_numel])
 
 
 class WeightPlan:
@@ -96,14 +107,19 @@ class WeightPlan:
         value = self.entries[key]
         return self.slices[value].shape if isinstance(value, nn.Parameter) else value.shape
 
-    def layer_values(self, index: int, dtype: torch.dtype) -> Dict[nn.Parameter, torch.Tensor]:
-        """Layer ``index``'s parameters as separate host tensors in ``dtype``, from its master weights."""
-        flat = self.source.read_master(index)
+    def layer_values(self, index: int, dtype: torch.dtype,
+                     trainable_only: bool = False) -> Dict[nn.Parameter, torch.Tensor]:
+        """Layer ``index``'s parameters (``trainable_only``: its trainable ones) as separate host tensors in
+        ``dtype``, from its master weights."""
         layer = self.source.layers[index]
-        if flat.numel() != layer.numel:
-            raise WeightsAccessError(f"layer {index} read {flat.numel()} weights, its parameters hold {layer.numel}")
+        flat = self.source.read_trainable(index) if trainable_only else self.source.read_master(index)
+        expected = layer.trainable_numel if trainable_only else layer.numel
+        if flat.numel() != expected:
+            raise WeightsAccessError(f"layer {index} read {flat.numel()} weights, its parameters hold {expected}")
         values = {}
         for param, shape in zip(layer.params, layer.shapes):
+            if trainable_only and not param.requires_grad:
+                continue
             start = self.slices[param].offset
             values[param] = flat[start:start + shape.numel()].view(shape).to(dtype, copy=True)
         return values
@@ -111,19 +127,22 @@ class WeightPlan:
     def buffer_value(self, key: str) -> torch.Tensor:
         return self.entries[key].detach().to("cpu", copy=True)
 
-    def state_dict(self, dtype: torch.dtype, keep: Callable[[], bool] = lambda: True) -> Optional["OrderedDict"]:
+    def state_dict(self, dtype: torch.dtype, keep: Callable[[], bool] = lambda: True,
+                   exclude_frozen: bool = False) -> Optional["OrderedDict"]:
         """The whole state dict in ``dtype`` on the host, read layer by layer (aliases share one tensor,
-        as in DeepSpeed's consolidated state dict). With ``keep()`` false (ranks other than 0 of a
-        collective source) the layers are read and dropped and None is returned."""
+        as in DeepSpeed's consolidated state dict); ``exclude_frozen``: without the frozen parameters (as
+        DeepSpeed's ``exclude_frozen_parameters``), which are then not read. With ``keep()`` false (ranks
+        other than 0 of a collective source) the layers are read and dropped and None is returned."""
         values: Dict[nn.Parameter, torch.Tensor] = {}
         for index in range(len(self.source.layers)):
-            layer_values = self.layer_values(index, dtype)
+            layer_values = self.layer_values(index, dtype, trainable_only=exclude_frozen)
             if keep():
                 values.update(layer_values)
         if not keep():
             return None
         return OrderedDict((key, values[value] if isinstance(value, nn.Parameter) else self.buffer_value(key))
-                           for key, value in self.entries.items())
+                           for key, value in self.entries.items()
+                           if not (exclude_frozen and isinstance(value, nn.Parameter) and not value.requires_grad))
 
 
 class ModuleWeightAccess:

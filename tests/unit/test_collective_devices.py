@@ -73,11 +73,13 @@ def test_master_parameters_hands_the_collective_device_tensors(collectives):
             params = list(block.parameters())
             numel = sum(p.numel() for p in params)
             layers.append(SimpleNamespace(index=index, params=params, param_shapes=[p.shape for p in params],
-                                          numel=numel, layout=parallel.layout(numel)))
+                                          numel=numel, layout=parallel.layout(numel), trainable=True,
+                                          frozen_params=[], frozen_shapes=[], frozen_numel=0))
         optimizer = SimpleNamespace(read_master=lambda layer: torch.zeros(layer.layout.shard_numel))  # host, as SSD's
         engine = SimpleNamespace(flush=lambda: None, module=module, layers=layers, parallel=parallel,
                                  optimizer=optimizer)
         engine._read_full_master = lambda index: GreedySnakeEngine._read_full_master(engine, index)
+        engine._read_trainable_master = lambda index: GreedySnakeEngine._read_trainable_master(engine, index)
         masters = GreedySnakeEngine.master_parameters(engine)
     assert [name for name, _ in collectives.handed].count("all_gather") == 4
     assert collectives.devices() == {DEVICE}, collectives.handed

@@ -17,6 +17,7 @@ class StubLayer:
 
     def __init__(self, index, module):
         self.index, self.module, self.device = index, module, CPU
+        self.trainable = True
 
     def fetch(self):
         pass

@@ -51,6 +51,35 @@ def test_layers_are_resident_exactly_when_used(num_layers, num_micro_batches, pr
     """Replay the schedule against a residency model: compute only on fetched layers, one read per fetch,
     at most ``depth`` reads in flight and 1 + ``depth`` parameter buffers in use."""
     ops = build_step_schedule(num_layers, num_micro_batches, prefetch, prefetch_depth=depth)
+    reads = _replay(ops, num_layers, num_micro_batches, depth, [True] * num_layers)
+    assert reads == parameter_reads_per_step(num_layers) == 2 * num_layers - 2
+    _check_prefetch(ops, prefetch, depth, num_layers)
+
+
+FROZEN_SIZES = [(layers, trainable, prefetch, depth) for layers in range(2, 6)
+                for trainable in itertools.product([False, True], repeat=layers) if any(trainable)
+                for prefetch, depth in ((False, 1), (True, 1), (True, 2))]
+
+
+@pytest.mark.parametrize("num_layers,trainable,prefetch,depth", FROZEN_SIZES)
+def test_layers_with_nothing_to_train_get_no_flush_and_no_update(num_layers, trainable, prefetch, depth):
+    """Every pattern of entirely frozen layers: the residency model holds, the trainable layers are flushed
+    and updated once each, the others never, and backward stops at the lowest trainable layer."""
+    ops = build_step_schedule(num_layers, 2, prefetch, overlap=True, deferred_layers=1, prefetch_depth=depth,
+                              trainable=trainable)
+    backward_to = trainable.index(True)
+    reads = _replay(ops, num_layers, 2, depth, trainable)
+    assert reads == parameter_reads_per_step(num_layers, backward_to)
+    assert reads == 2 * num_layers - 2 - backward_to + (1 if backward_to == num_layers - 1 else 0)
+    _check_prefetch(ops, prefetch, depth, num_layers)
+    wanted = sorted(layer for layer in range(num_layers) if trainable[layer])
+    for kind in (OpKind.FLUSH_GRADS, OpKind.UPDATE):
+        assert sorted(op.layer for op in ops if op.kind == kind) == wanted
+    assert {op.layer for op in ops if op.kind == OpKind.BACKWARD} == set(range(backward_to, num_layers - 1))
+
+
+def _replay(ops, num_layers, num_micro_batches, depth, trainable):
+    """Checks the schedule against a residency model; returns the parameter reads it makes."""
     resident, in_flight, reads = set(), set(), 0
     backward_done = {layer: 0 for layer in range(num_layers)}
     flushed = set()
@@ -77,20 +106,28 @@ def test_layers_are_resident_exactly_when_used(num_layers, num_micro_batches, pr
             assert backward_done[op.layer] == num_micro_batches and op.layer not in flushed
             flushed.add(op.layer)
         elif op.kind == OpKind.DECIDE_STEP:
-            assert flushed == set(range(num_layers)) and not resident and not in_flight
+            assert flushed == {layer for layer in range(num_layers) if trainable[layer]}
+            assert not resident and not in_flight
+        elif op.kind == OpKind.UPDATE:
+            assert op.layer in flushed and op.layer not in resident
         # The parameter pool holds 1 + depth buffers: resident layers and reads in flight share them.
         assert len(in_flight) <= depth and len(resident) + len(in_flight) <= 1 + depth, (op, resident, in_flight)
     assert ops[-1].kind in (OpKind.DECIDE_STEP, OpKind.UPDATE)
-    assert reads == parameter_reads_per_step(num_layers) == 2 * num_layers - 2
-    if prefetch:
-        # Every fetch but the very first finds its read already started.
-        fetches = [i for i, op in enumerate(ops) if op.kind == OpKind.FETCH]
-        for index in fetches:
-            earlier = [op for op in ops[:index] if op.kind == OpKind.PREFETCH and op.layer == ops[index].layer]
-            assert earlier
-        # Each read starts as early as the pool allows: ``depth`` fetches ahead (or at the start).
-        if depth < num_layers:
-            assert max(len(in_flight_at) for in_flight_at in _reads_in_flight(ops)) == min(depth, num_layers - 1)
+    return reads
+
+
+def _check_prefetch(ops, prefetch, depth, num_layers):
+    if not prefetch:
+        return
+    # Every fetch but the very first finds its read already started.
+    fetches = [i for i, op in enumerate(ops) if op.kind == OpKind.FETCH]
+    for index in fetches:
+        earlier = [op for op in ops[:index] if op.kind == OpKind.PREFETCH and op.layer == ops[index].layer]
+        assert earlier
+    # Each read starts as early as the pool allows: ``depth`` fetches ahead (or at the start).
+    distinct_reads = sum(op.kind == OpKind.PREFETCH for op in ops)
+    if depth < num_layers and distinct_reads > depth:
+        assert max(len(in_flight_at) for in_flight_at in _reads_in_flight(ops)) == min(depth, num_layers - 1)
 
 
 def _reads_in_flight(ops):

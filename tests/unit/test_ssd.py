@@ -179,3 +179,25 @@ def test_a_transfer_that_cannot_start_names_the_file_and_leaves_nothing_in_fligh
         store.start_read(gone, store.new_buffer(gone))
     assert not store.read_in_flight
     store.read(kept, buffer)  # the store still works
+
+
+@pytest.mark.parametrize("read_handles", [1, 2])
+def test_several_regions_read_into_one_buffer_as_one_read(tmp_path, read_handles):
+    """A layer's trainable slot and its frozen region: one read into consecutive parts of one buffer, on one
+    handle, completed together by one wait_for_read, each part's tag checked; other reads stay in flight."""
+    store = SsdStore(str(tmp_path), {}, IoCounters(), "multi", read_handles=read_handles)
+    (first, second, other), (_, _, other_buffer) = _written_regions(store, 3, 2 * ssd.CHUNK_BYTES + 100)
+    assert ssd.buffer_offsets([first, second]) == [0, first.padded_bytes]
+    both = store.buffer(first.padded_bytes + second.padded_bytes)
+    store.start_read_regions([first, second], both)
+    store.start_read(other, other_buffer)
+    store.wait_for_read(both)
+    assert store.counters.reads["param"] == (2 if read_handles > 1 else 3)
+    assert int(both[:first.payload_bytes].float().mean()) == 1
+    assert int(both[first.padded_bytes:first.padded_bytes + second.payload_bytes].float().mean()) == 2
+    store.wait_for_read(other_buffer)
+    assert int(other_buffer[:other.payload_bytes].float().mean()) == 3
+    second.generation += 1  # as if a later write of the second region had been lost
+    store.start_read_regions([first, second], both)
+    with pytest.raises(SsdIoError, match="found tag"):
+        store.wait_for_read(both)

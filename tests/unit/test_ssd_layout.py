@@ -24,10 +24,10 @@ def test_post_decision_layers_get_one_slot_and_their_gradient_in_the_parameter_f
     first, last = layout.layers[0], layout.layers[-1]
     # bf16 weights (2 B) and an fp32 gradient (4 B) share one file of the larger size.
     assert first.parameter_file_bytes == padded_size(4 * 10_000)
-    assert first.bytes_by_kind() == {"parameters": padded_size(20_000),
+    assert first.bytes_by_kind() == {"parameters": padded_size(20_000), "frozen parameters": 0,
                                      "optimizer states": padded_size(120_000),
                                      "gradients": padded_size(40_000) - padded_size(20_000)}
-    assert last.bytes_by_kind() == {"parameters": 2 * padded_size(80_000),
+    assert last.bytes_by_kind() == {"parameters": 2 * padded_size(80_000), "frozen parameters": 0,
                                     "optimizer states": 2 * padded_size(480_000),
                                     "gradients": padded_size(160_000)}
     total = layout.bytes_by_kind(activation_spill_bytes=12_288)
@@ -76,3 +76,26 @@ def test_a_disk_too_small_is_named_with_needed_and_free(monkeypatch, tmp_path):
     assert check_free_space(999_999, str(tmp_path), "everything") == 1_000_000
     with pytest.raises(SsdSpaceError, match=r"everything need 1,000,001 bytes .* and 1,000,000 bytes .* are free"):
         check_free_space(1_000_001, str(tmp_path), "everything")
+
+
+@pytest.mark.parametrize("post_decision", [0, 2, 3])
+def test_frozen_parameters_get_one_read_only_region_and_nothing_else(post_decision):
+    """A layer's frozen elements: one region of the compute dtype, never a second slot, state or gradient;
+    a layer with nothing to train has no slot, no host slot and no gradient at all."""
+    trainable = [0, 5_000, 0]
+    frozen = [40_000, 100_000, 30_000]
+    layout = plan_layout(trainable, settings(post_decision=post_decision, gradient_host=1 << 30,
+                                             optimizer_host=1 << 30), frozen)
+    for placed, numel, frozen_numel in zip(layout.layers, trainable, frozen):
+        kinds = placed.bytes_by_kind()
+        assert kinds["frozen parameters"] == padded_size(2 * frozen_numel)
+        assert placed.trainable == bool(numel)
+        if not numel:
+            assert (placed.param_slots, placed.state_slots, placed.gradient_on_ssd) == (0, 0, False)
+            assert kinds == {"parameters": 0, "frozen parameters": padded_size(2 * frozen_numel),
+                             "optimizer states": 0, "gradients": 0}
+    # The host budgets go to the layer that trains, whatever the order they are handed out in.
+    assert ssd_layout.host_slot_offsets(range(3), trainable, 12, 1 << 30) == {1: 0}
+    assert ssd_layout.host_slot_offsets(reversed(range(3)), trainable, 4, 1 << 30) == {1: 0}
+    total = layout.bytes_by_kind()
+    assert total["frozen parameters"] == sum(padded_size(2 * numel) for numel in frozen)

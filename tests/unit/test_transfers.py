@@ -13,7 +13,7 @@ from ds_greedysnake.activations import ActivationStore, InputGradients
 from ds_greedysnake.ssd_layout import LayerLayout
 from ds_greedysnake.layer import BufferPool, LayerOwner, Residency
 from ds_greedysnake.parallel import DataParallel
-from ds_greedysnake.ssd import Region, round_up
+from ds_greedysnake.ssd import Region, buffer_offsets, round_up
 from ds_greedysnake.transfers import Transfers
 
 CPU = torch.device("cpu")
@@ -150,9 +150,13 @@ class FakeStore:
         self.data[region.region_id] = buffer[:region.payload_bytes].clone()
 
     def start_read(self, region, buffer):
+        self.start_read_regions([region], buffer)
+
+    def start_read_regions(self, regions, buffer):
         pending = [guard for pointer, guard in self.copies.copies if pointer == buffer.data_ptr() and not guard.done()]
         assert not pending, "an aio read would overwrite a host buffer a device copy still reads"
-        buffer[:region.payload_bytes].copy_(self.data[region.region_id])
+        for region, offset in zip(regions, buffer_offsets(regions)):
+            buffer[offset:offset + region.payload_bytes].copy_(self.data[region.region_id])
         self.reads_started += 1
 
     def wait_for_read(self, buffer):
@@ -186,7 +190,7 @@ def _layers(copies, count, pool_size):
     pool = BufferPool(store, round_up(max(layer.shard_bytes for layer in layers) + 8), count=pool_size)
     weights = []
     for layer in layers:
-        flat = layer.flat_parameters()
+        flat, _ = layer.flat_parameters()
         weights.append(flat.clone())
         layer.offload(store, pool, flat, LayerLayout(numel=layer.shard_numel, param_slots=2, state_slots=2,
                                                      gradient_on_ssd=True, param_bytes=layer.shard_bytes,
