@@ -15,7 +15,7 @@ from .config import check_ds_config, parse_greedysnake_config
 from .deepspeed_compat import parsed_ds_config, remove_shm_buffer_at_exit
 from .engine import GreedySnakeEngine
 from .model_split import split_model
-from .pretrained import PretrainedWeights, leave_meta_device
+from .pretrained import PretrainedWeights, initialise_adapters_on_meta, leave_meta_device
 
 
 def load_config(config: Any) -> Dict[str, Any]:
@@ -53,6 +53,8 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
         raise ValueError(f"pretrained={pretrained!r} needs the greedysnake engine "
                          "(\"greedysnake\": {\"enabled\": true}); for DeepSpeed's own engine load the model with "
                          "AutoModelForCausalLM.from_pretrained")
+    if pretrained is not None:
+        initialise_adapters_on_meta(model)  # PEFT adapters over an empty model: the folder has none of them
     meta = [name for name, param in model.named_parameters() if param.is_meta]
     if meta and pretrained is None:
         raise ValueError(f"parameters {meta[:3]} of {type(model).__name__} are on the meta device (no weights): "

@@ -11,12 +11,13 @@ import json
 import os
 import shutil
 import sys
+from typing import Optional
 
 from .planner.errors import PlannerError
 from .planner.hardware import load_hardware, save_hardware
 from .planner.plan_config import PlanRequest, budget_bytes, plan_for_config, workload_from_config
 from .planner.search import GIB
-from .planner.shapes import named_shape, parse_layers
+from .planner.shapes import lora_numels, named_shape, parse_layers
 from .planner.ssd_space import ssd_bytes
 from .ssd_layout import describe
 
@@ -47,6 +48,9 @@ def parse_args(argv=None):
     parser.add_argument("--nvme-path", default=None, help="folder the probe measures (default: the config's nvme_path)")
     parser.add_argument("--save-hardware", default=None, help="write the probed hardware to this JSON file")
     parser.add_argument("--json", action="store_true", help="print JSON for machines")
+    parser.add_argument("--lora", type=int, default=None, metavar="R",
+                        help="the SSD space of a LoRA run: rank-R adapters on every block matrix, the base frozen "
+                             "(the step-time plans stay those of full training)")
     parser.add_argument("--saturated", action="store_true",
                         help="per engine, tokens/s as the global batch grows over every micro-batch size and M that "
                              "fit the device, the saturation point and the ratio of the saturated throughputs")
@@ -192,20 +196,38 @@ def _describe_saturated(shape, hardware, request: PlanRequest, saturations: dict
     return "\n".join(lines)
 
 
-def ssd_space(ds_config: dict, shape, plan, ideal: bool):
-    """The SSD bytes per kind of the recommended block, and the free bytes under the config's nvme_path
-    (None when that folder does not exist here)."""
+def ssd_space(ds_config: dict, shape, plan, ideal: bool, lora_rank: Optional[int] = None):
+    """The SSD bytes per kind of the recommended block (of a LoRA run of rank ``lora_rank``: trainable
+    adapters, the base frozen), and the free bytes under the config's nvme_path (None when that folder does
+    not exist here)."""
     block = None if ideal else plan.greedysnake_block()
-    needed = ssd_bytes([layer.params for layer in shape.layers], ds_config, plan.micro_batches,
-                       plan.workload.checkpoint_bytes, block)
+    if lora_rank is None:
+        trainable, frozen = [layer.params for layer in shape.layers], None
+    else:
+        trainable, frozen = (list(numels) for numels in zip(*lora_numels(shape, lora_rank)))
+    needed = ssd_bytes(trainable, ds_config, plan.micro_batches, plan.workload.checkpoint_bytes, block,
+                       frozen_numels=frozen)
     nvme_path = ((ds_config.get("zero_optimization") or {}).get("offload_param") or {}).get("nvme_path")
     free = shutil.disk_usage(nvme_path).free if nvme_path and os.path.isdir(nvme_path) else None
     return needed, nvme_path, free
 
 
-def _describe_ssd(needed, nvme_path, free, shape, plan, ideal: bool) -> list:
+def _describe_ssd(needed, nvme_path, free, shape, plan, ideal: bool, lora_rank: Optional[int] = None) -> list:
     which = "this config's block" if ideal else "the recommended block"
-    lines = ["", f"SSD space ({which}, M = {plan.micro_batches}, one rank): {describe(needed, shape.params)}"]
+    if lora_rank is None:
+        lines = ["", f"SSD space ({which}, M = {plan.micro_batches}, one rank): {describe(needed, shape.params)}"]
+    else:
+        adapters = sum(trainable for trainable, _ in lora_numels(shape, lora_rank))
+        base_bytes, spill = needed["frozen parameters"], needed["activation spill"]
+        rest = sum(needed.values()) - base_bytes - spill
+        lines = ["", f"SSD space of LoRA rank {lora_rank} ({which}, M = {plan.micro_batches}, one rank): "
+                     f"{describe(needed, shape.params + adapters)}",
+                 f"  the frozen base, one read-only copy: {base_bytes:,} bytes = {base_bytes / shape.params:.2f} "
+                 f"bytes per base parameter; the {adapters:,} adapter parameters: {rest:,} bytes = "
+                 f"{rest / adapters:.2f} bytes per adapter parameter (weights, optimizer states, gradients); "
+                 f"activation spill {spill:,} bytes",
+                 "  host memory: the parameter buffers hold a layer's base weights with its adapters; only the "
+                 "adapters have optimizer states and gradients"]
     total = sum(needed.values())
     if free is None:
         lines.append(f"  nvme_path {nvme_path} does not exist here: free space not checked")
@@ -239,19 +261,23 @@ def main(argv=None) -> int:
         return 2
     budget = budget_bytes(request)
     workload = plans[0].workload
-    needed, nvme_path, free = ssd_space(ds_config, shape, plans[0], args.ideal)
+    try:
+        needed, nvme_path, free = ssd_space(ds_config, shape, plans[0], args.ideal, args.lora)
+    except PlannerError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps({"model": shape.name, "parameters": shape.params, "budget_bytes": budget,
                           "hardware": hardware.to_dict(), "recommended": dict(plans[0].to_dict(),
                           gradient_accumulation_steps=plans[0].micro_batches,
                           greedysnake_block=None if args.ideal else plans[0].greedysnake_block()),
                           "plans": [p.to_dict() for p in sorted(plans, key=lambda p: p.micro_batches)],
-                          "ssd_bytes": needed, "ssd_free_bytes": free,
+                          "ssd_bytes": needed, "ssd_free_bytes": free, "lora_rank": args.lora,
                           "notes": [NOT_IMPLEMENTED] if not args.modelled_placements else
                           ["modelled placements: not implemented by the engine"]}, indent=1))
     else:
         print(_describe(plans, hardware, shape, workload, budget, request))
-        print("\n".join(_describe_ssd(needed, nvme_path, free, shape, plans[0], args.ideal)))
+        print("\n".join(_describe_ssd(needed, nvme_path, free, shape, plans[0], args.ideal, args.lora)))
     return 0
 
 

@@ -8,6 +8,11 @@ read. Host memory holds about one layer, never the model. The same, for a model 
 
     model = ds_greedysnake.pretrained.empty_model("model_dir")   # or any model on the meta device
     engine, *_ = ds_greedysnake.initialize(model=model, config=ds_config, loss_fn=..., pretrained="model_dir")
+
+A PEFT model over such a skeleton (``peft.get_peft_model(empty_model(dir), LoraConfig(...))``) works the same:
+its base weights come from the folder under the base model's names (PEFT's ``base_layer`` wrappers seen
+through), and its adapters, which the folder does not hold, start as PEFT initialises them
+(``initialise_adapters_on_meta``) or with the values they already have.
 """
 import contextlib
 import json
@@ -115,16 +120,24 @@ class PretrainedWeights:
     from the file headers) before anything is read, so a wrong folder fails at initialize."""
 
     def __init__(self, folder: Union[str, os.PathLike], model: nn.Module):
+        from .model_split import peft_base_model
         self.files = SafetensorsFolder(str(folder))
         self.key_of: Dict[nn.Parameter, str] = {}
+        # Parameters the folder does not hold that start from the module's own values (PEFT adapters).
+        self.from_module: Dict[nn.Parameter, str] = {}
+        base = peft_base_model(model)
+        lookup = base if base is not None else model
         missing = []
-        for names, param in _names_by_parameter(model):
-            key = next((candidate for name in names for candidate in _candidates(model, name)
+        for names, param in _names_by_parameter(lookup):
+            plain = [name.replace(f".{_PEFT_BASE_LAYER}.", ".") for name in names] if base is not None else names
+            key = next((candidate for name in plain for candidate in _candidates(lookup, name)
                         if candidate in self.files.file_of), None)
-            if key is None:
-                missing.append(names[0])
-            else:
+            if key is not None:
                 self.key_of[param] = key
+            elif base is not None and param.requires_grad and not param.is_meta:
+                self.from_module[param] = names[0]
+            else:
+                missing.append(names[0])
         if missing:
             raise PretrainedWeightsError(f"{folder} has no weights for {len(missing)} parameter(s) of "
                                          f"{type(model).__name__}, e.g. {missing[:5]}: is it this model's checkpoint?")
@@ -134,7 +147,7 @@ class PretrainedWeights:
         if wrong:
             raise PretrainedWeightsError(f"{folder} has tensors of other shapes than {type(model).__name__}'s "
                                          f"(key, in the file, in the model): {wrong[:5]}")
-        self._load_buffers(model)
+        self._load_buffers(lookup)
 
     def _load_buffers(self, model: nn.Module) -> None:
         """Persistent buffers saved with the weights (rare; never trained) are copied into the model."""
@@ -149,16 +162,54 @@ class PretrainedWeights:
         at a time: the layer and one of its tensors in memory)."""
         place = {}
         offset = 0
+        flat_parts = []
         for param in params:
             numel = _full_shape(param).numel()
-            place[self.key_of[param]] = (offset, numel)
+            if param in self.from_module:
+                flat_parts.append((offset, param.detach().reshape(-1).to("cpu", dtype)))
+            else:
+                place[self.key_of[param]] = (offset, numel)
             offset += numel
         flat = torch.empty(offset, dtype=dtype)
+        for start, values in flat_parts:
+            flat[start:start + values.numel()].copy_(values)
         for key, tensor in self.files.each(list(place)):
             start, numel = place[key]
             flat[start:start + numel].copy_(tensor.reshape(-1))
             del tensor
         return flat
+
+
+_PEFT_BASE_LAYER = "base_layer"  # what PEFT calls the wrapped module of a LoRA layer
+_META_SAFE_LORA_INITS = (True, False, "gaussian")  # PEFT inits that do not read the base weights
+
+
+def initialise_adapters_on_meta(model: nn.Module) -> List[str]:
+    """Give PEFT LoRA adapters that are on the meta device (``get_peft_model`` over ``empty_model``) host
+    memory and PEFT's own initialisation (``reset_lora_parameters`` with the adapter's ``init_lora_weights``):
+    a pretrained folder has no weights for them. Returns the LoRA modules initialised."""
+    from .model_split import peft_base_model
+    if peft_base_model(model) is None:
+        return []
+    from peft.tuners.lora.layer import LoraLayer
+    done = []
+    for name, module in model.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        for adapter in list(module.lora_A.keys()):
+            parts = [module.lora_A[adapter], module.lora_B[adapter]]
+            if not any(param.is_meta for part in parts for param in part.parameters()):
+                continue
+            init = model.peft_config[adapter].init_lora_weights
+            if init not in _META_SAFE_LORA_INITS:
+                raise ValueError(f"LoRA adapter {adapter!r} of {name} is on the meta device and its init_lora_weights "
+                                 f"is {init!r}, which reads the base weights: use init_lora_weights=True or "
+                                 "'gaussian' over a model on the meta device, or build the PEFT model with weights")
+            for part in parts:
+                part.to_empty(device="cpu")
+            module.reset_lora_parameters(adapter, init)
+            done.append(name)
+    return done
 
 
 def leave_meta_device(model: nn.Module, dtype: torch.dtype) -> None:

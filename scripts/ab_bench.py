@@ -27,7 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ab_bench_report import markdown, plot, roofline  # noqa: E402
-from ab_bench_setup import (AIO, CONFIGS, ENGINES, QUICK_CONFIGS, REPO, free_port,  # noqa: E402
+from ab_bench_setup import (AIO, CONFIGS, DEFAULT_CONFIGS, ENGINES, QUICK_CONFIGS, REPO, free_port,  # noqa: E402
                             remove_shm_buffers)
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ab_bench_child.py")
@@ -161,7 +161,7 @@ def main(argv=None):
     args = parse_args(argv)
     began = time.time()
     base = QUICK_CONFIGS if args.quick else CONFIGS
-    configs = {name: dict(base[name]) for name in (args.configs or list(base))}
+    configs = {name: dict(base[name]) for name in (args.configs or DEFAULT_CONFIGS)}
     for spec in configs.values():
         for key, value in (("micro_batch_size", args.micro_batch_size), ("hidden", args.hidden), ("layers", args.layers),
                            ("seq_len", args.seq_len)):

@@ -14,7 +14,7 @@ import sys
 import time
 import traceback
 
-from ab_bench_setup import (AIO, MIB, ds_config, gpt_config, largest_param_numel, peak_rss_mib,  # noqa: E402
+from ab_bench_setup import (AIO, MIB, add_lora, ds_config, gpt_config, largest_param_numel, peak_rss_mib,  # noqa: E402
                             process_io)
 
 
@@ -38,7 +38,15 @@ def run_engine(spec: dict) -> dict:
         ds["greedysnake"].update(spec.get("greedysnake_options", {}))
     gpt = gpt_config(model_spec)
     torch.manual_seed(spec["seed"])
-    if engine_name == "zero_infinity":
+    lora = bool(model_spec.get("lora_rank"))
+    if engine_name == "zero_infinity" and lora:
+        # No activation checkpointing here: ZeRO-Infinity 0.19.8 fails with it over a frozen base ("Not enough
+        # buffers 0 for swapping 1"), so this baseline keeps every activation instead of recomputing.
+        from deepspeed.accelerator import get_accelerator
+        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+        with deepspeed.zero.Init(config_dict_or_path=ds):
+            model = add_lora(build_gpt(gpt), model_spec)
+    elif engine_name == "zero_infinity":
         class CheckpointedGPT(nn.Sequential):
             """[embedding, blocks..., head] with DeepSpeed's activation checkpointing around each block,
             so the baseline recomputes in backward as greedysnake does. torch.utils.checkpoint gives
@@ -56,8 +64,9 @@ def run_engine(spec: dict) -> dict:
         with deepspeed.zero.Init(config_dict_or_path=ds):
             model = CheckpointedGPT(*build_gpt(gpt))
     else:
-        model = build_gpt(gpt)
+        model = add_lora(build_gpt(gpt), model_spec)
     parameters = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
+    trainable = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters() if p.requires_grad)
     engine, _, _, _ = ds_greedysnake.initialize(model=model, model_parameters=model.parameters(), config=ds,
                                                 loss_fn=lm_loss)
     # Each rank reads its own micro-batches, the same ones under both engines.
@@ -106,6 +115,7 @@ def run_engine(spec: dict) -> dict:
     result = {
         "engine": engine_name, "config": spec["config"], "micro_batches": m, "micro_batch_size": mbs,
         "world_size": world_size, "rank": rank, "global_batch": m * mbs * world_size, "tokens_per_step": tokens, "parameters": parameters,
+        "trainable_parameters": trainable, "lora_rank": model_spec.get("lora_rank"),
         "step_seconds_median": median("seconds"), "tokens_per_second": tokens / median("seconds"),
         "ssd_read_bytes_per_step": median("ssd_read_bytes"), "ssd_write_bytes_per_step": median("ssd_write_bytes"),
         "param_read_bytes_per_step": median("param_read_bytes"),

@@ -26,14 +26,20 @@ LABELS = {"zero_infinity": "ZeRO-Infinity", "greedysnake": "greedysnake"}
 # 8 blocks, because a layer's update can only overlap the layers between its backward and its next
 # forward (with 2 blocks, one block's whole update has nothing to hide behind; real LLMs have 24-96).
 # compute_bound: a smaller model with many tokens per micro-batch.
+# lora: ssd_bound's model with PEFT LoRA adapters (rank lora_rank) on every block matrix, the base frozen
+# (the same PEFT injection under both engines): the SSD traffic is almost all base-weight reads.
 CONFIGS = {
     "ssd_bound": dict(hidden=512, layers=8, heads=8, vocab=2048, seq_len=8, micro_batch_size=1),
     "compute_bound": dict(hidden=512, layers=2, heads=8, vocab=2048, seq_len=128, micro_batch_size=4),
+    "lora": dict(hidden=512, layers=8, heads=8, vocab=2048, seq_len=8, micro_batch_size=1, lora_rank=8),
 }
 QUICK_CONFIGS = {
     "ssd_bound": dict(hidden=256, layers=4, heads=4, vocab=1024, seq_len=8, micro_batch_size=1),
     "compute_bound": dict(hidden=256, layers=2, heads=4, vocab=1024, seq_len=128, micro_batch_size=4),
+    "lora": dict(hidden=256, layers=4, heads=4, vocab=1024, seq_len=8, micro_batch_size=1, lora_rank=4),
 }
+DEFAULT_CONFIGS = ("ssd_bound", "compute_bound")  # what a run without --configs measures
+LORA_TARGETS = ["qkv", "proj", "up", "down"]  # the built-in GPT's block matrices (ds_greedysnake/models/gpt.py)
 # The same aio block for both engines (and for the roofline's SSD rates).
 AIO = {"block_size": 1 << 20, "queue_depth": 32, "intra_op_parallelism": 1, "single_submit": False,
        "overlap_events": True}
@@ -71,6 +77,17 @@ def gpt_config(model: dict):
     from ds_greedysnake.models.gpt import GPTConfig
     return GPTConfig(vocab_size=model["vocab"], seq_len=model["seq_len"], hidden=model["hidden"],
                      num_heads=model["heads"], num_layers=model["layers"])
+
+
+def add_lora(model, model_spec: dict):
+    """PEFT LoRA adapters of rank ``lora_rank`` injected into every block matrix, everything else frozen (the
+    model itself when the configuration has none). Under zero.Init the adapters are partitioned as created."""
+    if not model_spec.get("lora_rank"):
+        return model
+    from peft import LoraConfig, inject_adapter_in_model
+    rank = model_spec["lora_rank"]
+    return inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                                              target_modules=LORA_TARGETS), model)
 
 
 def largest_param_numel(model: dict) -> int:

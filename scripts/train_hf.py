@@ -65,6 +65,11 @@ def parse_args():
     parser.add_argument("--checkpoint-dir", default=None, help="default: <nvme-path>/checkpoints")
     parser.add_argument("--save-pretrained", default=None, help="after training, write the model here as a "
                         "Hugging Face checkpoint (safetensors shards + config)")
+    parser.add_argument("--lora", type=int, default=None, metavar="R",
+                        help="fine-tune PEFT LoRA adapters of rank R, the base frozen (--save-pretrained then writes "
+                             "the adapters, as PEFT does)")
+    parser.add_argument("--lora-targets", nargs="+", default=["all-linear"],
+                        help="modules that get adapters (PEFT's target_modules; default: every Linear but the head)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--local_rank", type=int, default=0, help="set by the deepspeed launcher")
     return parser.parse_args()
@@ -111,7 +116,7 @@ def build_model(args, ds_config):
         from ds_greedysnake.pretrained import empty_model
         model = empty_model(config, dtype)
         model.config.use_cache = False
-        return model
+        return with_lora(args, model)
     has_weights = args.config_path and any(name.endswith((".safetensors", ".bin")) for name in os.listdir(args.config_path))
     torch.manual_seed(args.seed)
 
@@ -131,10 +136,23 @@ def build_model(args, ds_config):
             model = make()
     else:
         model = make()  # the same initial weights for both engines
-    if args.baseline:
-        model.gradient_checkpointing_enable()  # the fair baseline recomputes activations as greedysnake does
+    if args.baseline and args.lora is None:
+        # The fair baseline recomputes activations as greedysnake does. Not under LoRA: ZeRO-Infinity
+        # 0.19.8 fails with checkpointing over a frozen base ("Not enough buffers 0 for swapping 1").
+        model.gradient_checkpointing_enable()
     model.config.use_cache = False
-    return model.train()
+    return with_lora(args, model).train()
+
+
+def with_lora(args, model):
+    """The model with PEFT LoRA adapters of rank --lora (the base frozen), or the model itself."""
+    if args.lora is None:
+        return model
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(args.seed)
+    return get_peft_model(model, LoraConfig(r=args.lora, lora_alpha=2 * args.lora, lora_dropout=0.0,
+                                            target_modules=args.lora_targets[0] if args.lora_targets == ["all-linear"]
+                                            else args.lora_targets))
 
 
 def largest_parameter(args) -> int:
@@ -211,6 +229,7 @@ def main():
     offload["buffer_size"] = max(offload.get("buffer_size", 0), largest_parameter(args))
     model = build_model(args, config)
     parameters = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
     engine, _, _, _ = ds_greedysnake.initialize(model=model, model_parameters=model.parameters(), config=config,
                                                 loss_fn=hf_causal_lm_loss, pretrained=pretrained_folder(args))
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -218,7 +237,8 @@ def main():
     setup_memory = memory_snapshot()
     engine_name = "ZeRO-Infinity" if args.baseline else "greedysnake"
     if rank == 0:
-        print(f"{engine_name}: {type(model).__name__} {parameters / 1e6:.1f}M parameters, M={num_micro_batches} x "
+        lora = f" (LoRA rank {args.lora}: {trainable / 1e6:.2f}M trainable)" if args.lora is not None else ""
+        print(f"{engine_name}: {type(model).__name__} {parameters / 1e6:.1f}M parameters{lora}, M={num_micro_batches} x "
               f"{micro_batch_size} x {args.seq_len} tokens per rank, {world_size} rank(s), "
               f"{'bf16' if 'bf16' in config else 'fp32'}, SSD folder {offload['nvme_path']}", flush=True)
     batches = distributed_micro_batches(token_stream(args, model.config.vocab_size, micro_batch_size), rank, world_size)
@@ -247,7 +267,7 @@ def main():
             engine.save_checkpoint(checkpoint_dir, tag=f"step{step}")
     training_memory = memory_snapshot()
     if args.save_pretrained:
-        engine.module.config.use_cache = True  # off for training; generation expects it on
+        getattr(engine.module, "get_base_model", lambda: engine.module)().config.use_cache = True  # on for generation
         engine.save_pretrained(args.save_pretrained)
         if rank == 0:
             print(f"saved the trained model to {args.save_pretrained}", flush=True)
@@ -255,6 +275,7 @@ def main():
         engine.close()
     if rank == 0:
         print(json.dumps({"engine": engine_name, "model": type(model).__name__, "parameters": parameters,
+                          "trainable_parameters": trainable, "lora_rank": args.lora,
                           "steps": args.steps, "losses": losses, "step_seconds": [round(s, 2) for s in step_seconds],
                           "median_step_seconds_after_first": round(statistics.median(step_seconds[1:] or step_seconds), 2),
                           "peak_rss_setup": setup_memory, "peak_rss_training": training_memory}), flush=True)

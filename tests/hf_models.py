@@ -48,3 +48,21 @@ def hf_data(seed: int = 0):
 def hf_loss_of(model, inputs, labels):
     """The reference's loss: HF's own, from its labels."""
     return model(input_ids=inputs, labels=labels).loss
+
+
+LORA_TARGETS = {"llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                "gpt2": ["c_attn", "c_proj", "c_fc"]}  # gpt2: Conv1D projections, tied (frozen) embeddings
+
+
+def lora_model(family: str, rank: int = 4, seed: int = 0):
+    """A tiny random-init HF model with PEFT LoRA adapters on its attention and MLP projections. PEFT starts
+    lora_B at zero; here it starts random, so that every adapter weight has a gradient from step 1."""
+    from peft import LoraConfig, get_peft_model
+    model = get_peft_model(tiny_model(family, seed=seed),
+                           LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                                      target_modules=LORA_TARGETS[family], fan_in_fan_out=family == "gpt2"))
+    torch.manual_seed(seed + 1)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.02)
+    return model

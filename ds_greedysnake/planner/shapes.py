@@ -67,6 +67,17 @@ def _gpt_layers(shape: GPTShape) -> List[LayerShape]:
     return [embedding] + [block] * shape.num_blocks + [head]
 
 
+def lora_numels(shape: "GPTShape", rank: int) -> List[Tuple[int, int]]:
+    """(trainable, frozen) parameters per layer of a LoRA run of ``shape``: adapters of rank ``rank`` on every
+    block matrix (qkv, proj, up, down: ``rank * (fan_in + fan_out)`` each), every base weight frozen; the
+    embedding and the head hold no adapter."""
+    if not isinstance(rank, int) or rank < 1:
+        raise PlannerError(f"LoRA rank must be a positive integer, got {rank!r}")
+    h, r = shape.hidden, shape.mlp_ratio
+    adapters = rank * ((h + 3 * h) + (h + h) + (h + r * h) + (r * h + h))
+    return [(adapters if layer.kind == "block" else 0, layer.params) for layer in shape.layers]
+
+
 # The A/B benchmark's two configurations (scripts/ab_bench.py) and the paper's models. The paper's
 # shapes are GPT-3-style; its sequence length is not restated in our design notes: 2048 is assumed.
 NAMED_SHAPES: Dict[str, GPTShape] = {

@@ -11,10 +11,12 @@ DEFAULT_ACTIVATION_HOST_MB = 4096.0  # GreedySnakeConfig.activation_host_memory_
 
 
 def ssd_bytes(layer_numels: Sequence[int], ds_config: dict, micro_batches: int, checkpoint_bytes: int,
-              block: Optional[dict] = None, world_size: int = 1) -> Dict[str, int]:
+              block: Optional[dict] = None, world_size: int = 1,
+              frozen_numels: Optional[Sequence[int]] = None) -> Dict[str, int]:
     """Bytes per kind on one rank's swap folder: the engine's layout for ``ds_config`` (its greedysnake block
-    replaced by ``block`` where given) on layers of ``layer_numels`` parameters, sharded over ``world_size``
-    ranks, and the spill of ``micro_batches`` micro-batches of layer inputs of ``checkpoint_bytes`` each."""
+    replaced by ``block`` where given) on layers of ``layer_numels`` trainable parameters (and
+    ``frozen_numels`` frozen ones: a LoRA run's base), sharded over ``world_size`` ranks, and the spill of
+    ``micro_batches`` micro-batches of layer inputs of ``checkpoint_bytes`` each."""
     config = dict(ds_config, greedysnake=dict(ds_config.get("greedysnake") or {}, **(block or {})))
     engine = EngineSettings.from_ds_config(config)
     greedysnake = config["greedysnake"]
@@ -23,9 +25,10 @@ def ssd_bytes(layer_numels: Sequence[int], ds_config: dict, micro_batches: int, 
     gradient_bytes = 4 if greedysnake.get("fp32_grad_accumulation", True) else compute_bytes
     shards = [-(-numel // world_size) for numel in layer_numels]
     post_decision = layers_updated_after_decision(len(shards), engine.overlap, engine.deferred_layers, engine.clipping)
+    frozen_shards = [-(-numel // world_size) for numel in frozen_numels] if frozen_numels is not None else None
     layout = plan_layout(shards, LayoutSettings(compute_bytes, gradient_bytes, post_decision,
                                                 engine.gradient_host_bytes, engine.optimizer_host_bytes,
-                                                STATE_PIECE_NUMEL))
+                                                STATE_PIECE_NUMEL), frozen_shards)
     activation_budget = float(greedysnake.get("activation_host_memory_mb", DEFAULT_ACTIVATION_HOST_MB)) * MIB
     spill = activation_spill_bytes(len(shards) - 1, micro_batches, checkpoint_bytes, activation_budget)
     return layout.bytes_by_kind(spill)
@@ -37,11 +40,13 @@ def model_ssd_bytes(model, ds_config: dict, micro_batches: int, checkpoint_bytes
     does not fit in memory); a tied output layer's borrowed parameters stay with layer 0."""
     from ..model_split import plan_split  # torch: only when a model is given
     split = plan_split(model)
-    numels = []
+    numels, frozen = [], []
     for index, layer in enumerate(split.layers):
         borrowed = {id(param) for param in split.borrowed_by(index)}
-        numels.append(sum(param.numel() for param in layer.parameters() if id(param) not in borrowed))
-    return ssd_bytes(numels, ds_config, micro_batches, checkpoint_bytes, world_size=world_size)
+        own = [param for param in layer.parameters() if id(param) not in borrowed]
+        numels.append(sum(param.numel() for param in own if param.requires_grad))
+        frozen.append(sum(param.numel() for param in own if not param.requires_grad))
+    return ssd_bytes(numels, ds_config, micro_batches, checkpoint_bytes, world_size=world_size, frozen_numels=frozen)
 
 
 ZERO_MIN_SWAP_BYTES = 2**20  # DeepSpeed's MIN_AIO_BYTES: smaller tensors (and sub-groups) stay in host memory

@@ -26,11 +26,11 @@ from helpers import ds_config  # noqa: E402
 WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 2e-4, "warmup_max_lr": 1e-3, "warmup_num_steps": 3}}
 
 
-def make_hf_engine(nvme_path: str, family: str, num_micro_batches: int, **greedysnake):
+def make_hf_engine(nvme_path: str, family: str, num_micro_batches: int, lora: bool = False, **greedysnake):
     from ds_greedysnake.models.hf import hf_causal_lm_loss
-    from hf_models import hf_data, tiny_model
+    from hf_models import hf_data, lora_model, tiny_model
     os.makedirs(nvme_path, exist_ok=True)
-    engine, _, _, _ = ds_greedysnake.initialize(model=tiny_model(family),
+    engine, _, _, _ = ds_greedysnake.initialize(model=lora_model(family) if lora else tiny_model(family),
                                                 config=ds_config(nvme_path, num_micro_batches, greedysnake=greedysnake),
                                                 loss_fn=hf_causal_lm_loss)
     return engine, hf_data()
@@ -41,7 +41,7 @@ def export_weights(engine, folder: str, rank: int) -> dict:
     import deepspeed
     from ds_greedysnake.weights import WeightsAccessError
     engine.save_16bit_model(folder)
-    engine.save_pretrained(os.path.join(folder, "hf"), max_shard_size="100KB")
+    engine.save_pretrained(os.path.join(folder, "hf"), max_shard_size="100KB")  # a PEFT model: its adapters
     with deepspeed.zero.GatheredParameters(engine.module.parameters()):
         gathered = {name: param.detach().cpu().clone() for name, param in engine.module.named_parameters()}
     try:
@@ -59,6 +59,7 @@ def main():
     parser.add_argument("--micro-batches", type=int, required=True, help="per rank")
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--hf-family", default=None, help="a tiny Hugging Face model of this family")
+    parser.add_argument("--lora", action="store_true", help="with --hf-family: PEFT LoRA adapters, the base frozen")
     parser.add_argument("--last-rank-dies-after", type=int, default=None, help="steps; simulates a crash")
     parser.add_argument("--export", default=None, help="after training, every rank exports the weights here")
     parser.add_argument("--load", default=None, help="checkpoint folder to resume from")
@@ -67,7 +68,8 @@ def main():
     args = parser.parse_args()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if args.hf_family:
-        engine, stream = make_hf_engine(args.nvme, args.hf_family, args.micro_batches, collective_timeout_seconds=60)
+        engine, stream = make_hf_engine(args.nvme, args.hf_family, args.micro_batches, args.lora,
+                                        collective_timeout_seconds=60)
     else:
         scheduler = WARMUP if args.warmup_lr else None
         engine, stream = make_engine(args.nvme, args.micro_batches, greedysnake={"collective_timeout_seconds": 60},

@@ -89,6 +89,30 @@ def test_tied_embeddings_across_ranks_match_pytorch(tmp_path):
     assert two["losses"] == pytest.approx(reference_losses, rel=1e-5)
 
 
+def test_lora_across_ranks_matches_pytorch(tmp_path):
+    """PEFT LoRA on GPT-2 over two ranks: the frozen base is sharded and gathered with each layer (the tied
+    embedding too), the adapters' gradients reduce-scattered; 2 x 2 micro-batches equal plain PyTorch over
+    the same 4, the base comes back unchanged, and every way out works on both ranks (save_pretrained: PEFT's
+    adapter files)."""
+    pytest.importorskip("peft")
+    from safetensors.torch import load_file
+    from hf_models import hf_data, hf_loss_of, lora_model
+    from helpers import reference_training
+    two = launch(tmp_path, 2, 2, 3, "lora", extra=["--hf-family", "gpt2", "--lora",
+                                                   "--export", str(tmp_path / "lora_export")])
+    start = lora_model("gpt2")
+    reference, reference_losses = reference_training(start, None, 4, 3, batches=hf_data(), loss_of=hf_loss_of)
+    trainable = {name: param.detach() for name, param in reference.named_parameters() if param.requires_grad}
+    assert relative_l2({name: two["masters"][name] for name in trainable}, trainable) <= 1e-5
+    assert two["losses"] == pytest.approx(reference_losses, rel=1e-5)
+    for name, param in start.named_parameters():
+        if not param.requires_grad:
+            assert torch.equal(two["masters"][name], param.detach()), name
+            assert torch.equal(two["gathered"][name], param.detach()), name
+    adapters = load_file(str(tmp_path / "lora_export" / "hf" / "adapter_model.safetensors"))
+    assert len(adapters) == len(trainable) and all("lora_" in key for key in adapters)
+
+
 def test_collective_traffic_does_not_grow_with_micro_batches(tmp_path):
     few = launch(tmp_path, 2, 1, 2, "m1")
     many = launch(tmp_path, 2, 3, 2, "m3")

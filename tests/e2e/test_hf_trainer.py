@@ -175,6 +175,25 @@ def test_save_model_reloads_and_the_block_off_runs_zero_infinity(tmp_path, model
     assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved_zi")) is not None
 
 
+def test_lora_matches_plain_trainer_and_save_model_writes_the_adapters(tmp_path, model_dir):
+    """A PEFT LoRA model (base frozen) under GreedySnakeTrainer logs and trains as under plain Trainer, and
+    save_model writes what PEFT writes: the adapters, which load onto the base with PeftModel."""
+    pytest.importorskip("peft")
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    plain = run(tmp_path, "plain_lora", "plain", model_dir, extra=["--lora"])
+    greedysnake = run(tmp_path, "lora", "greedysnake", model_dir,
+                      extra=["--lora", "--save-model", str(tmp_path / "adapter")])
+    assert_same_run(greedysnake, plain)
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= set(os.listdir(tmp_path / "adapter"))
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                                       str(tmp_path / "adapter"))
+    for name, param in loaded.named_parameters():
+        assert torch.equal(param.detach(), greedysnake["weights"][name]), name  # adapters and base, as trained
+    lora_b = [value for name, value in greedysnake["weights"].items() if "lora_B" in name]
+    assert lora_b and all(float(value.abs().max()) > 0 for value in lora_b)  # PEFT starts B at zero: trained
+
+
 def test_two_ranks_under_the_launchers_match_one_rank(tmp_path, model_dir):
     """Must-show 4: 2 ranks with accumulation 3, under `deepspeed --num_gpus 2` and under
     `accelerate launch` with a DeepSpeed config, equal 1 rank with accumulation 6 (24 samples: 2 steps;

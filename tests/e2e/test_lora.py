@@ -15,7 +15,7 @@ from ds_greedysnake.models.gpt import lm_loss  # noqa: E402
 from ds_greedysnake.models.hf import hf_causal_lm_loss  # noqa: E402
 from ds_greedysnake.schedule import OpKind  # noqa: E402
 from ds_greedysnake.ssd_layout import padded_size  # noqa: E402
-from hf_models import hf_data, hf_loss_of, tiny_model  # noqa: E402
+from hf_models import hf_data, hf_loss_of, lora_model, tiny_model  # noqa: E402
 from helpers import data, ds_config, fresh_model, reference_training, tiny_gpt_config  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -23,24 +23,8 @@ pytestmark = pytest.mark.slow
 NUM_MICRO_BATCHES = 3
 STEPS = 3
 FP32_TOLERANCE = 1e-5
-LORA_TARGETS = {"llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-                "gpt2": ["c_attn", "c_proj", "c_fc"]}  # gpt2: Conv1D projections, tied (frozen) embeddings
 # Gradients and optimizer states through SSD: every region kind is exercised.
 ON_SSD = {"gradient_host_memory_mb": 0, "optimizer_host_memory_mb": 0}
-
-
-def lora_model(family, rank=4):
-    """A tiny random-init HF model with PEFT LoRA adapters on its attention and MLP projections. PEFT starts
-    lora_B at zero; here it starts random, so that every adapter weight has a gradient from step 1."""
-    from peft import LoraConfig, get_peft_model
-    model = get_peft_model(tiny_model(family), LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
-                                                          target_modules=LORA_TARGETS[family],
-                                                          fan_in_fan_out=family == "gpt2"))
-    torch.manual_seed(1)
-    for name, param in model.named_parameters():
-        if "lora_B" in name:
-            param.data.normal_(0, 0.02)
-    return model
 
 
 def trainable_relative_l2(masters, reference):

@@ -37,6 +37,8 @@ def parse_args():
     parser.add_argument("--save-total-limit", type=int, default=None)
     parser.add_argument("--resume", default=None, help="resume_from_checkpoint")
     parser.add_argument("--save-model", default=None, help="trainer.save_model() into this folder")
+    parser.add_argument("--lora", action="store_true", help="PEFT LoRA adapters (rank 4, attention and MLP), the base "
+                        "frozen")
     parser.add_argument("--config-from-launcher", action="store_true", help="accelerate launch passes the config")
     parser.add_argument("--write-config", default=None, help="only write the DeepSpeed config here")
     parser.add_argument("--refusals", action="store_true", help="record what train() refuses, then stop")
@@ -150,6 +152,12 @@ def main():
     # Made after TrainingArguments, as the HF docs say: under ZeRO-3 the weights load into zero.Init partitions.
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     model.config.use_cache = False
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+        from hf_models import LORA_TARGETS
+        torch.manual_seed(0)
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                 target_modules=LORA_TARGETS["llama"]))
     # The ZeRO-Infinity baseline is GreedySnakeTrainer with the block off: one script does the A/B.
     trainer_class = Trainer if args.mode == "plain" else GreedySnakeTrainer
     trainer = trainer_class(model=model, args=training, train_dataset=dataset(args.samples, 0),

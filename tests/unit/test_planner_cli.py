@@ -137,3 +137,24 @@ def test_auto_plan_refuses_other_models(tmp_path):
     from ds_greedysnake.planner.auto import auto_plan
     with pytest.raises(PlannerError, match="built-in GPT"):
         auto_plan({"greedysnake": {"auto": True}}, [nn.Linear(2, 2)] * 3, str(tmp_path))
+
+
+def test_lora_ssd_space_is_the_adapters_plus_one_copy_of_the_base(capsys):
+    """--lora R: every base weight frozen (one region of the compute dtype, nothing else), adapters trained."""
+    from ds_greedysnake.planner.shapes import lora_numels
+    shape = named_shape("gpt-small")
+    code, out, _ = run_cli(capsys, "--model", "gpt-small", "--json", "--lora", "8")
+    assert code == 0
+    report = json.loads(out)
+    needed = report["ssd_bytes"]
+    full = json.loads(run_cli(capsys, "--model", "gpt-small", "--json")[1])["ssd_bytes"]
+    base_bytes = 4 * shape.params  # the config trains in fp32
+    assert report["lora_rank"] == 8 and full["frozen parameters"] == 0
+    assert base_bytes <= needed["frozen parameters"] < base_bytes + 4096 * len(shape.layers)
+    adapters = sum(trainable for trainable, _ in lora_numels(shape, 8))
+    assert adapters == 8 * 16 * shape.hidden * shape.num_blocks
+    assert 0 < needed["parameters"] < full["parameters"] / 10 and needed["optimizer states"] <= full["optimizer states"]
+    code, out, _ = run_cli(capsys, "--model", "gpt-small", "--lora", "8")
+    assert code == 0 and "bytes per base parameter" in out and "bytes per adapter parameter" in out
+    code, _, err = run_cli(capsys, "--model", "gpt-small", "--lora", "0")
+    assert code == 2 and "LoRA rank must be a positive integer, got 0" in err
