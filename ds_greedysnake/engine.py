@@ -282,7 +282,8 @@ class GreedySnakeEngine(EngineBase):
                         exclude_frozen_parameters: bool = False) -> bool:
         """DeepSpeed's save_checkpoint: every SSD-resident tensor (safetensors, one shard per rank), the
         counters, the lr scheduler and ``client_state`` (rank 0's), published atomically (pending updates
-        are finished first). With ``greedysnake.save_total_limit``, older checkpoints in ``save_dir`` are
+        are finished first). Frozen parameters are never in it (``exclude_frozen_parameters`` is always in
+        effect): they come back from the model or pretrained folder the engine is initialized with. With ``greedysnake.save_total_limit``, older checkpoints in ``save_dir`` are
         removed afterwards, never the one ``latest`` names."""
         self.flush()
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"

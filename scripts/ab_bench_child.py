@@ -43,9 +43,19 @@ def run_engine(spec: dict) -> dict:
         # No activation checkpointing here: ZeRO-Infinity 0.19.8 fails with it over a frozen base ("Not enough
         # buffers 0 for swapping 1"), so this baseline keeps every activation instead of recomputing.
         from deepspeed.accelerator import get_accelerator
+        # PEFT imported first: zero.Init patches torch.Tensor.__new__, and torch._dynamo (which PEFT imports)
+        # refuses to load under that patch.
+        import peft  # noqa: F401
         deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+        same = add_lora(build_gpt(gpt), model_spec)  # what greedysnake trains, from the same seed
         with deepspeed.zero.Init(config_dict_or_path=ds):
             model = add_lora(build_gpt(gpt), model_spec)
+        # PEFT initialises an adapter after creating it (lora_B zeroed), which under zero.Init reaches only an
+        # empty partition: copy the same model's values in, so that both engines train one model.
+        for param, value in zip(model.parameters(), same.parameters()):
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                param.data.copy_(value.data)
+        del same
     elif engine_name == "zero_infinity":
         class CheckpointedGPT(nn.Sequential):
             """[embedding, blocks..., head] with DeepSpeed's activation checkpointing around each block,
@@ -93,8 +103,9 @@ def run_engine(spec: dict) -> dict:
                           ssd_read_bytes=record["proc_read_bytes"], ssd_write_bytes=record["proc_write_bytes"])
         else:
             metrics = engine.last_step_metrics
-            record.update(param_read_bytes=metrics.ssd_bytes_read.get("param", 0),
-                          param_reads=metrics.ssd_reads.get("param", 0),
+            # Parameter reads: the trainable slots and the frozen regions read with them (a LoRA run's base).
+            record.update(param_read_bytes=metrics.ssd_bytes_read.get("param", 0) + metrics.ssd_bytes_read.get("frozen", 0),
+                          param_reads=metrics.ssd_reads.get("param", 0) + metrics.ssd_reads.get("frozen", 0),
                           ssd_read_bytes=sum(metrics.ssd_bytes_read.values()),
                           ssd_write_bytes=sum(metrics.ssd_bytes_written.values()),
                           ssd_bytes_read_by_kind=dict(metrics.ssd_bytes_read),

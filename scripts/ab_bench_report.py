@@ -28,9 +28,12 @@ def roofline(run: dict, machine: dict, model_spec: dict, rates_around_run=()) ->
     compute = best_compute(machine["compute"][run["config"]], run["micro_batches"])
     # Every rank's micro-batches share this machine's cores (one process per rank).
     m = run["micro_batches"] * run.get("world_size", 1)
+    # Adam and optimizer states for the trainable parameters only (a LoRA run's adapters); the compute is
+    # the probe's, of the whole model trained (a frozen base skips its weight gradients: an upper bound).
+    trained = run.get("trainable_parameters") or run["parameters"]
     # Both engines recompute: forward without a graph, then forward with it and backward.
     cpu_seconds = m * (compute["forward_s"] + compute["forward_backward_s"]) + \
-        run["parameters"] / machine["adam_elements_per_s"]
+        trained / machine["adam_elements_per_s"]
     read_rate, write_rate = machine["ssd_read_bytes_per_s"], machine["ssd_write_bytes_per_s"]
     io_seconds = run["ssd_read_bytes_per_step"] / read_rate + run["ssd_write_bytes_per_step"] / write_rate
     # The vertical schedule's minimum SSD volume (fp32; ranks hold shards, so the total does not change
@@ -39,15 +42,15 @@ def roofline(run: dict, machine: dict, model_spec: dict, rates_around_run=()) ->
     # once and written once, new weights written once; gradients stay in host memory.
     # Optimizer states greedysnake keeps in host memory (optimizer_host_memory_mb) move no SSD bytes.
     p = run["parameters"] * 4
-    states = 3 * (run["parameters"] - run.get("host_state_parameters", 0)) * 4
-    vertical_io = (2 * p + states) / read_rate + (states + p) / write_rate
+    states = 3 * (trained - run.get("host_state_parameters", 0)) * 4
+    vertical_io = (2 * p + states) / read_rate + (states + trained * 4) / write_rate
     bound = max(cpu_seconds, io_seconds)
     vertical_bound = max(cpu_seconds, vertical_io)
     # Not the roofline: what overlap costs here. The same bound with compute measured while another
     # process streams through the SSD (compute and transfers overlap in both engines).
     streaming = streaming_compute(machine["compute"][run["config"]], run["micro_batches"])
     streaming_cpu_seconds = m * (streaming["forward_s"] + streaming["forward_backward_s"]) + \
-        run["parameters"] / machine["adam_elements_per_s"]
+        trained / machine["adam_elements_per_s"]
     streaming_bound = max(streaming_cpu_seconds, io_seconds)
     around = {}
     if rates_around_run:

@@ -33,26 +33,30 @@ ROOFLINE_FIELDS = {"cpu_seconds", "io_seconds", "bound_seconds", "bound_tokens_p
 MACHINE_FIELDS = {"ssd_read_bytes_per_s", "ssd_write_bytes_per_s", "adam_elements_per_s", "compute", "cpus"}
 
 
-def test_quick_ab_bench(tmp_path):
-    out_dir = tmp_path / "out"
+def run_bench(out_dir, *arguments):
+    """scripts/ab_bench.py --quick with ``arguments``; its JSON report."""
     nvme = os.path.join(REPO, ".nvme_swap", "test_ab_bench")
     # The parent gives each engine subprocess a fresh free port and removes its /dev/shm buffer;
     # this port only covers the parent itself.
     port = free_port()
     env = dict(os.environ, MASTER_PORT=port)
-    command = [sys.executable, SCRIPT, "--quick", "--configs", "ssd_bound", "--micro-batches", "2", "--hidden", "256",
-               "--out-dir", str(out_dir), "--nvme-path", nvme]
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        command.append("--no-plot")
+    command = [sys.executable, SCRIPT, "--quick", *arguments, "--out-dir", str(out_dir), "--nvme-path", nvme]
     try:
         completed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     finally:
         remove_shm_buffers(port)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    return json.loads((out_dir / "ab_bench.json").read_text())
 
-    report = json.loads((out_dir / "ab_bench.json").read_text())
+
+def test_quick_ab_bench(tmp_path):
+    out_dir = tmp_path / "out"
+    command = ["--configs", "ssd_bound", "--micro-batches", "2", "--hidden", "256"]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        command.append("--no-plot")
+    report = run_bench(out_dir, *command)
     assert {"machine", "runs", "loss_agreement", "baseline", "configs", "sweep", "warmup", "steps"} <= report.keys()
     assert MACHINE_FIELDS <= report["machine"].keys()
     assert report["baseline"]["offload_param_max_in_cpu"] == 0
@@ -95,3 +99,19 @@ def test_quick_ab_bench(tmp_path):
     assert report["loss_agreement"], "no configuration ran both engines"
     for item in report["loss_agreement"]:
         assert item["relative_difference"] < 1e-4, item
+
+
+def test_quick_lora_row_trains_one_peft_model_under_both_engines(tmp_path):
+    """The LoRA row: the same PEFT model (adapters injected into every block matrix, the base frozen) under
+    both engines, ending on the same loss; greedysnake reads the base twice per step, ZeRO-Infinity per
+    micro-batch."""
+    pytest.importorskip("peft")
+    report = run_bench(tmp_path / "out", "--configs", "lora", "--micro-batches", "2", "--steps", "1", "--warmup", "1",
+                       "--no-plot")
+    runs = {run["engine"]: run for run in report["runs"]}
+    assert set(runs) == {"zero_infinity", "greedysnake"}
+    for run in runs.values():
+        assert run["lora_rank"] == 4 and 0 < run["trainable_parameters"] < run["parameters"] / 10
+        assert run["param_read_bytes_per_step"] > 0
+    # The same model and the same data: the same loss (bitwise here; 1e-4 as for the full configurations).
+    assert report["loss_agreement"] and report["loss_agreement"][0]["relative_difference"] < 1e-4
