@@ -20,11 +20,16 @@ CPU = torch.device("cpu")
 
 
 class FakeEvent:
+    """A device event: completing it completes every event recorded before it on its stream (a stream runs
+    its work in order)."""
+
     def __init__(self, log):
         self.completed = False
         self._log = log
+        self._stream = None
 
     def record(self, stream):
+        self._stream = stream
         stream.recorded.append(self)
 
     def query(self):
@@ -32,7 +37,9 @@ class FakeEvent:
 
     def synchronize(self):
         self._log.append(self)
-        self.completed = True
+        earlier = self._stream.recorded[:self._stream.recorded.index(self) + 1] if self._stream else [self]
+        for event in earlier:
+            event.completed = True
 
 
 class FakeStream:
@@ -153,7 +160,8 @@ class FakeStore:
         self.start_read_regions([region], buffer)
 
     def start_read_regions(self, regions, buffer):
-        pending = [guard for pointer, guard in self.copies.copies if pointer == buffer.data_ptr() and not guard.done()]
+        start, stop = buffer.data_ptr(), buffer.data_ptr() + buffer.numel()
+        pending = [guard for pointer, guard in self.copies.copies if start <= pointer < stop and not guard.done()]
         assert not pending, "an aio read would overwrite a host buffer a device copy still reads"
         for region, offset in zip(regions, buffer_offsets(regions)):
             buffer[offset:offset + region.payload_bytes].copy_(self.data[region.region_id])
@@ -177,40 +185,46 @@ def test_the_pool_hands_out_a_buffer_only_once_the_copy_reading_it_completed():
     assert reading_second.done() and len(streams.synchronized) == 1
 
 
-def _layers(copies, count, pool_size):
+def _layers(copies, count, pool_size, frozen_bias=False):
+    """``count`` one-Linear layers; ``frozen_bias``: each bias frozen (a layer with both kinds, two copies per
+    fetch from one buffer). ``weights``: each layer's parameters in module order."""
     torch.manual_seed(0)
     store = FakeStore(copies)
     parallel = DataParallel(1, 0, CPU)
     layers = []
     for index in range(count):
         module = nn.Linear(8, 8)
+        module.bias.requires_grad_(not frozen_bias)
         layer = LayerOwner(index, module, torch.float32, CPU, parallel)
         layer.transfers = copies
         layers.append(layer)
-    pool = BufferPool(store, round_up(max(layer.shard_bytes for layer in layers) + 8), count=pool_size)
+    pool = BufferPool(store, max(layer.read_buffer_bytes for layer in layers), count=pool_size)
     weights = []
     for layer in layers:
-        flat, _ = layer.flat_parameters()
-        weights.append(flat.clone())
+        flat, frozen = layer.flat_parameters()
+        weights.append(torch.cat([flat, frozen]))
         layer.offload(store, pool, flat, LayerLayout(numel=layer.shard_numel, param_slots=2, state_slots=2,
                                                      gradient_on_ssd=True, param_bytes=layer.shard_bytes,
-                                                     gradient_bytes=4 * layer.shard_numel, piece_numel=1 << 22))
+                                                     gradient_bytes=4 * layer.shard_numel, piece_numel=1 << 22,
+                                                     frozen_bytes=layer.frozen_shard_bytes), frozen)
     return layers, store, weights
 
 
-def test_no_aio_read_lands_in_a_buffer_before_the_device_copy_from_it_completed():
+@pytest.mark.parametrize("frozen_bias", [False, True])
+def test_no_aio_read_lands_in_a_buffer_before_the_device_copy_from_it_completed(frozen_bias):
     streams = FakeStreams()
     copies = RecordingTransfers(streams)
-    # One buffer for three layers: every read reuses the buffer the previous layer's copy reads.
-    layers, store, weights = _layers(copies, 3, pool_size=1)
+    # One buffer for three layers: every read reuses the buffer the previous layer's copies read (with a
+    # frozen bias, two copies from one buffer: its trainable part and its frozen part).
+    layers, store, weights = _layers(copies, 3, pool_size=1, frozen_bias=frozen_bias)
     for layer, expected in zip(layers, weights):
         layer.prefetch()
         layer.fetch()
         bound = torch.cat([param.data.reshape(-1) for param in layer.module.parameters()])
         assert torch.equal(bound, expected)
         layer.release()
-    assert store.reads_started == 3
-    # Each later read waited for the copy before it, which the CPU did not wait for otherwise.
+    assert store.reads_started == 3 and len(copies.copies) == 3 * (2 if frozen_bias else 1)
+    # Each later read waited for the copies before it, which the CPU did not wait for otherwise.
     assert len(streams.synchronized) == 2
 
 
