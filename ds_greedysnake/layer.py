@@ -87,6 +87,7 @@ class LayerOwner:
         self.frozen_layout = parallel.layout(self.frozen_numel)
         self.frozen_region: Optional[Region] = None
         self.compute_dtype = compute_dtype
+        self._element_bytes = torch.empty(0, dtype=compute_dtype).element_size()
         self.device = device
         self.state = Residency.RESIDENT  # the module holds its initial weights until offload()
         self.param_regions: List[Region] = []
@@ -130,10 +131,6 @@ class LayerOwner:
         """Host buffer bytes a read of this layer needs: its committed slot, then its frozen region."""
         return ((padded_size(self.shard_bytes) if self.trainable else 0)
                 + (padded_size(self.frozen_shard_bytes) if self.frozen_numel else 0))
-
-    @property
-    def _element_bytes(self) -> int:
-        return torch.empty(0, dtype=self.compute_dtype).element_size()
 
     @property
     def _frozen_offset(self) -> int:

@@ -46,15 +46,22 @@ def parse_args():
     return parser.parse_args()
 
 
-def build_config(args) -> dict:
-    with open(args.config) as handle:
-        config = json.load(handle)
-    nvme_path = args.nvme_path or config["zero_optimization"]["offload_param"]["nvme_path"]
+def use_nvme_path(config: dict, nvme_path) -> str:
+    """Point both offloads of ``config`` at ``nvme_path`` (default: the config's own; relative to the repo),
+    created; returns it."""
+    nvme_path = nvme_path or config["zero_optimization"]["offload_param"]["nvme_path"]
     if not os.path.isabs(nvme_path):
         nvme_path = os.path.join(REPO, nvme_path)
     os.makedirs(nvme_path, exist_ok=True)
     for section in ("offload_param", "offload_optimizer"):
         config["zero_optimization"][section]["nvme_path"] = nvme_path
+    return nvme_path
+
+
+def build_config(args) -> dict:
+    with open(args.config) as handle:
+        config = json.load(handle)
+    use_nvme_path(config, args.nvme_path)
     if args.micro_batches:
         config["gradient_accumulation_steps"] = args.micro_batches
     if args.bf16:

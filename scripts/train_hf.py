@@ -40,8 +40,8 @@ from ds_greedysnake.models.hf import hf_causal_lm_loss  # noqa: E402
 FAMILIES = ("gpt2", "llama", "opt", "gpt_neox")
 
 
-def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and data options this script shares with train_hf_trainer.py."""
     parser.add_argument("--family", choices=FAMILIES, default="llama")
     parser.add_argument("--config-path", default=None, help="a local folder with config.json (and weights)")
     parser.add_argument("--hidden", type=int, default=512)
@@ -54,6 +54,11 @@ def parse_args():
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--untie", action="store_true", help="separate input and output embeddings")
     parser.add_argument("--data", default=None, help="token ids saved with torch.save (1-D); default: generated")
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(parser)
     parser.add_argument("--config", default=os.path.join(os.path.dirname(SCRIPTS), "configs", "greedysnake_hf.json"))
     parser.add_argument("--nvme-path", default=None, help="folder on an SSD (default: the config's, under the repo)")
     parser.add_argument("--steps", type=int, default=10)

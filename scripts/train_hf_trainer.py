@@ -26,7 +26,8 @@ sys.path.insert(0, SCRIPTS)
 sys.path.insert(0, os.path.dirname(SCRIPTS))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download: configs are built here or read from disk
 
-from train_hf import FAMILIES, largest_parameter, memory_snapshot, model_config  # noqa: E402  (sets RANK etc.)
+from train import use_nvme_path  # noqa: E402
+from train_hf import add_model_arguments, largest_parameter, memory_snapshot, model_config  # noqa: E402  (sets RANK etc.)
 
 import torch  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
@@ -39,18 +40,7 @@ REPO = os.path.dirname(SCRIPTS)
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", choices=FAMILIES, default="llama")
-    parser.add_argument("--config-path", default=None, help="a local folder with config.json (and weights)")
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=None, help="llama: grouped-query heads (default: --heads)")
-    parser.add_argument("--intermediate", type=int, default=None, help="MLP width (default: 4x hidden; llama 8/3x)")
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--dropout", type=float, default=0.0)
-    parser.add_argument("--untie", action="store_true", help="separate input and output embeddings")
-    parser.add_argument("--data", default=None, help="token ids saved with torch.save (1-D); default: generated")
+    add_model_arguments(parser)
     parser.add_argument("--config", default=os.path.join(REPO, "configs", "greedysnake_hf_trainer.json"))
     parser.add_argument("--config-from-launcher", action="store_true",
                         help="accelerate launch passes the DeepSpeed config (--deepspeed_config_file)")
@@ -76,11 +66,7 @@ def deepspeed_config(args) -> dict:
     """The ZeRO-Infinity config with this run's SSD folder; the block on unless --baseline."""
     with open(args.config) as handle:
         config = json.load(handle)
-    nvme_path = args.nvme_path or config["zero_optimization"]["offload_param"]["nvme_path"]
-    nvme_path = os.path.join(REPO, nvme_path) if not os.path.isabs(nvme_path) else nvme_path
-    os.makedirs(nvme_path, exist_ok=True)
-    for section in ("offload_param", "offload_optimizer"):
-        config["zero_optimization"][section]["nvme_path"] = nvme_path
+    use_nvme_path(config, args.nvme_path)
     # ZeRO-Infinity's swap buffers must hold the largest parameter (counted on a meta-device copy).
     offload = config["zero_optimization"]["offload_param"]
     offload["buffer_size"] = max(offload.get("buffer_size", 0), largest_parameter(args))

@@ -5,17 +5,15 @@ import collections
 import dataclasses
 import os
 
-import deepspeed
 import pytest
 import torch
 
-import ds_greedysnake
 from ds_greedysnake import optimizer as optimizer_module
 from ds_greedysnake import ssd_layout
-from ds_greedysnake.models.gpt import build_gpt, lm_loss
 from ds_greedysnake.planner.shapes import GPTShape
 from ds_greedysnake.planner.ssd_space import ssd_bytes, zero_infinity_ssd_bytes
 from greedysnake_run import make_engine
+from zero_infinity_run import make_zero_infinity_engine
 from helpers import MICRO_BATCH_SIZE, data, ds_config, fresh_model, tiny_gpt_config
 
 pytestmark = pytest.mark.slow
@@ -119,14 +117,7 @@ def greedysnake_bytes(nvme_path, clipping, **greedysnake):
 
 
 def zero_infinity_bytes(nvme_path, clipping):
-    os.makedirs(nvme_path, exist_ok=True)
-    config = tiny_gpt_config(HIDDEN)
-    ds = ds_config(nvme_path, 2, enabled=False, clipping=clipping, bf16=True)
-    torch.manual_seed(0)
-    with deepspeed.zero.Init(config_dict_or_path=ds):
-        model = build_gpt(config)
-    engine, _, _, _ = ds_greedysnake.initialize(model=model, model_parameters=model.parameters(), config=ds,
-                                                loss_fn=lm_loss)
+    engine, config = make_zero_infinity_engine(nvme_path, 2, HIDDEN, clipping=clipping, bf16=True)
     after_initialize = allocated_bytes(nvme_path)
     engine.train_batch(data(config))  # its gradient swap files appear in the first backward
     return after_initialize, allocated_bytes(nvme_path)

@@ -20,8 +20,9 @@ class BaselineRun:
     param_bytes_read: List[int]
 
 
-def run_zero_infinity(nvme_path: str, num_micro_batches: int, steps: int, hidden: int = 320,
-                      zero_overrides: Dict = None, **config_options) -> BaselineRun:
+def make_zero_infinity_engine(nvme_path: str, num_micro_batches: int, hidden: int = 320,
+                              zero_overrides: Dict = None, **config_options):
+    """DeepSpeed's ZeRO-Infinity engine (the block off) on the tiny GPT, and the GPT's config."""
     os.makedirs(nvme_path, exist_ok=True)
     config = tiny_gpt_config(hidden)
     ds = ds_config(nvme_path, num_micro_batches, enabled=False, **config_options)
@@ -32,6 +33,12 @@ def run_zero_infinity(nvme_path: str, num_micro_batches: int, steps: int, hidden
         model = build_gpt(config)
     engine, _, _, _ = ds_greedysnake.initialize(model=model, model_parameters=model.parameters(), config=ds,
                                                 loss_fn=lm_loss)
+    return engine, config
+
+
+def run_zero_infinity(nvme_path: str, num_micro_batches: int, steps: int, hidden: int = 320,
+                      zero_overrides: Dict = None, **config_options) -> BaselineRun:
+    engine, config = make_zero_infinity_engine(nvme_path, num_micro_batches, hidden, zero_overrides, **config_options)
     batches = data(config)
     losses, reads, read_bytes = [], [], []
     for _ in range(steps):
@@ -40,7 +47,7 @@ def run_zero_infinity(nvme_path: str, num_micro_batches: int, steps: int, hidden
         reads.append(counter.reads)
         read_bytes.append(counter.bytes)
     parameters = {}
-    for name, param in model.named_parameters():
+    for name, param in engine.module.named_parameters():
         with deepspeed.zero.GatheredParameters([param]):
             parameters[name] = param.detach().float().clone()
     return BaselineRun(parameters, losses, reads, read_bytes)
