@@ -167,15 +167,21 @@ def largest_parameter(args) -> int:
     return max(p.numel() for p in twin.parameters())
 
 
-def token_stream(args, vocab_size: int, micro_batch_size: int):
-    """Endless (input_ids, labels) micro-batches; HF's loss shifts the labels, so labels are the inputs."""
+def load_corpus(args, vocab_size: int, min_tokens: int) -> torch.Tensor:
+    """The token ids of --data (checked against the vocabulary), or a generated corpus of at least
+    ``min_tokens``."""
     if args.data:
         corpus = torch.load(args.data).reshape(-1).long()
         if int(corpus.max()) >= vocab_size:
             raise ValueError(f"--data {args.data} has token id {int(corpus.max())} >= the model's vocab_size "
                              f"{vocab_size}: tokenize with the model's tokenizer or raise --vocab")
-    else:
-        corpus = synthetic_corpus(max(200_000, 4 * args.seq_len), vocab_size, args.seed)
+        return corpus
+    return synthetic_corpus(max(200_000, min_tokens), vocab_size, args.seed)
+
+
+def token_stream(args, vocab_size: int, micro_batch_size: int):
+    """Endless (input_ids, labels) micro-batches; HF's loss shifts the labels, so labels are the inputs."""
+    corpus = load_corpus(args, vocab_size, 4 * args.seq_len)
     for inputs, _ in micro_batches(corpus, micro_batch_size, args.seq_len, args.seed):
         yield inputs, inputs
 

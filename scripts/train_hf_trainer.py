@@ -27,13 +27,12 @@ sys.path.insert(0, os.path.dirname(SCRIPTS))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download: configs are built here or read from disk
 
 from train import use_nvme_path  # noqa: E402
-from train_hf import add_model_arguments, largest_parameter, memory_snapshot, model_config  # noqa: E402  (sets RANK etc.)
+from train_hf import add_model_arguments, largest_parameter, load_corpus, memory_snapshot, model_config  # noqa: E402  (sets RANK etc.)
 
 import torch  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
 from ds_greedysnake import GreedySnakeTrainer  # noqa: E402  (was: from transformers import Trainer)
-from ds_greedysnake.models.gpt import synthetic_corpus  # noqa: E402
 
 REPO = os.path.dirname(SCRIPTS)
 
@@ -89,14 +88,7 @@ class TokenBlocks(torch.utils.data.Dataset):
 
 
 def training_data(args, vocab_size: int, num_blocks: int) -> TokenBlocks:
-    if args.data:
-        corpus = torch.load(args.data).reshape(-1).long()
-        if int(corpus.max()) >= vocab_size:
-            raise ValueError(f"--data {args.data} has token id {int(corpus.max())} >= the model's vocab_size "
-                             f"{vocab_size}: tokenize with the model's tokenizer or raise --vocab")
-    else:
-        corpus = synthetic_corpus(max(200_000, (num_blocks + 1) * args.seq_len), vocab_size, args.seed)
-    return TokenBlocks(corpus, args.seq_len)
+    return TokenBlocks(load_corpus(args, vocab_size, (num_blocks + 1) * args.seq_len), args.seq_len)
 
 
 def build_model(args, bf16: bool):
