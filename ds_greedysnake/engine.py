@@ -14,6 +14,7 @@ from .config import GreedySnakeConfig, worker_threads_for
 from .deepspeed_compat import EngineBase, accelerator_device
 from .executor import Executor, StepResult
 from .export import write_hf_checkpoint, write_peft_adapters
+from .io_trace import IoTrace
 from .layer import BufferPool, LayerOwner, Residency
 from .parallel import DataParallel
 from .model_split import peft_base_model, plan_split
@@ -121,6 +122,11 @@ class GreedySnakeEngine(EngineBase):
                                            self.gradient_accumulation_steps())
         self.executor = Executor(self.layers, self.activations, optimizer, setup.loss_fn, accumulate_dtype,
                                  setup.config.prefetch, overlap, deferred, prefetch_depth)
+        # One recorder for this process (start_io_trace): its stores, the schedule's ops, the worker's pipes.
+        self._io_recorder = optimizer.updater.recorder
+        for store in (param_store, optimizer_store, activation_store):
+            store.recorder = self._io_recorder
+        self.executor.recorder = self._io_recorder
         return optimizer
 
     def _initial_flat_weights(self, layer: LayerOwner):
@@ -190,6 +196,22 @@ class GreedySnakeEngine(EngineBase):
     def flush(self) -> None:
         """Finish every pending optimizer update (the overlap defers some into the next forward)."""
         self.optimizer.flush()
+
+    def start_io_trace(self) -> None:
+        """Record every SSD transfer and wait of this rank, its optimizer worker's included, every message
+        between the two and every op of the schedule, until ``stop_io_trace`` (io_trace.py)."""
+        if self._io_recorder.enabled:
+            raise RuntimeError("an I/O trace is already on: call engine.stop_io_trace() first")
+        self._io_recorder.start()
+        self.optimizer.updater.start_io_trace()
+
+    def stop_io_trace(self) -> IoTrace:
+        """What was recorded since ``start_io_trace``: replay it with ``io_replay.replay`` once the run is
+        closed, write it with ``io_trace.write_chrome_trace``, or see ``io_trace.time_breakdown``."""
+        if not self._io_recorder.enabled:
+            raise RuntimeError("no I/O trace is on: call engine.start_io_trace() first")
+        worker_events = self.optimizer.updater.stop_io_trace()
+        return IoTrace(self._io_recorder.stop() + worker_events)
 
     def close(self) -> None:
         """Finish pending updates and stop the optimizer worker."""

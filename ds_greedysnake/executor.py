@@ -9,6 +9,7 @@ import torch
 from torch.profiler import record_function
 
 from .activations import ActivationStore, InputGradients
+from .io_trace import TRAIN, IoRecorder
 from .layer import LayerOwner
 from .optimizer import LayerwiseAdam, StepDecision
 from .rng import RngState, capture_rng_state, replaying
@@ -51,6 +52,8 @@ class Executor:
         self._input_grads = InputGradients(layers[0].device)
         # The random state each (layer, micro-batch) forward started from: its recompute replays it (dropout).
         self._rng_states: Dict[Tuple[int, int], RngState] = {}
+        # Each op's span while an I/O trace is on (io_trace.py: where a step's time went).
+        self.recorder = IoRecorder(TRAIN)
 
     def schedule(self, num_micro_batches: int) -> List[Op]:
         if num_micro_batches not in self._schedules:
@@ -83,7 +86,7 @@ class Executor:
         # The flag is torch-private: without it, always record (correct, just slower).
         profiling = getattr(torch.autograd.profiler, "_is_profiler_enabled", True)
         for op in self.schedule(len(micro_batches)):
-            started = time.perf_counter()
+            started, span_started = time.perf_counter(), time.monotonic()
             with record_function(f"gs::{op}") if profiling else nullcontext():
                 if op.kind == OpKind.DECIDE_STEP:
                     decision = self.optimizer.decide_step()
@@ -95,6 +98,7 @@ class Executor:
                 else:
                     self._run(op, micro_batches, losses, output_grads)
             seconds[op.kind.value] += time.perf_counter() - started
+            self.recorder.span(op.kind.value, span_started, str(op))
         return decision
 
     @torch.no_grad()

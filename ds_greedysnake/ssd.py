@@ -11,13 +11,15 @@ import errno
 import fcntl
 import glob
 import os
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
 from . import deepspeed_compat, transfers
+from .io_trace import IoRecorder
 from .ssd_layout import ALIGNMENT, TAG_BYTES as _TAG_BYTES, padded_size, round_up  # noqa: F401 (re-exported)
 
 # Transfers are split into chunks issued together (see SsdStore).
@@ -118,8 +120,11 @@ class SsdStore:
     (measured here: a 50 MiB write with a 38 MiB read, 34 ms on one handle, 32 ms on two).
     """
 
-    def __init__(self, folder: str, ds_config: dict, counters: IoCounters, name: str, read_handles: int = 1):
+    def __init__(self, folder: str, ds_config: dict, counters: IoCounters, name: str, read_handles: int = 1,
+                 recorder: Optional[IoRecorder] = None):
         self.folder = folder
+        # Records every transfer and wait while a trace is on (io_trace.py): the replay's input.
+        self.recorder = recorder if recorder is not None else IoRecorder("unrecorded")
         self.ds_config = ds_config
         self.counters = counters
         self.name = name
@@ -217,7 +222,7 @@ class SsdStore:
         # One read (of one region or several) is on one handle, alone there (``_free_read_handle``).
         assert len({id(t.handle) for t in mine}) == 1, "the parts of one read went to different handles"
         self._in_flight = [t for t in self._in_flight if all(t is not other for other in mine)]
-        completed = mine[0].handle.wait() if any(t.num_ops for t in mine) else 0
+        completed = self._wait_on([mine[0].handle]) if any(t.num_ops for t in mine) else 0
         self._check_completed(mine, completed)
 
     def _check_completed(self, transfers: List["_Transfer"], completed: int) -> None:
@@ -258,7 +263,19 @@ class SsdStore:
     def _wait_handles(self, transfers: List["_Transfer"]) -> int:
         """Wait on every handle with ops of ``transfers`` in flight; the number of ops they completed."""
         handles = list({id(t.handle): t.handle for t in transfers if t.num_ops}.values())
-        return sum(handle.wait() for handle in handles)
+        return self._wait_on(handles)
+
+    def _wait_on(self, handles) -> int:
+        started = time.monotonic()
+        completed = sum(handle.wait() for handle in handles)
+        self.recorder.wait(self.name, [self._handle_label(handle) for handle in handles], started)
+        return completed
+
+    def _handle_label(self, handle) -> str:
+        """"r<i>" for the i-th read handle, "w" for the write handle (the names a trace gives them)."""
+        if handle is self._write_handle:
+            return "w"
+        return f"r{next(i for i, h in enumerate(self._read_handles) if h is handle)}"
 
     def _free_read_handle(self):
         """A read handle with nothing in flight; with one handle, that handle (its ops queue). When every
@@ -293,6 +310,8 @@ class SsdStore:
                                  f"{region.path} could not start (return code {result})")
             transfer.num_ops += 1
         self._in_flight.append(transfer)
+        self.recorder.issue(self.name, self._handle_label(handle), transfer.kind, region.path, region.padded_bytes,
+                            region.category)
 
     def _check_buffer(self, region: Region, buffer: torch.Tensor) -> None:
         assert buffer.dtype == torch.uint8 and buffer.data_ptr() % ALIGNMENT == 0

@@ -23,6 +23,7 @@ import torch
 
 from .deepspeed_compat import AdamHyperparameters, CpuAdamKernel
 from .host_memory import SharedHostMemory
+from .io_trace import RESULT_PIPE, TASK_PIPE, TRAIN, WORKER, IoEvent, IoRecorder
 from .ssd import IoCounters, Region, SsdStore
 from .update_pipeline import ReadAheadPiece, UpdateBuffers, UpdatePipeline, UpdateResult
 
@@ -75,6 +76,44 @@ class Ack:
     what: str
 
 
+@dataclass
+class TraceIo:
+    """Start (``on``) or stop recording the worker's SSD operations (io_trace.py); stopping answers ``TracedIo``."""
+    on: bool
+
+
+@dataclass
+class TracedIo:
+    events: List[IoEvent]
+
+
+class _Pipe:
+    """One end of a pipe between the processes, numbering its messages (both ends count every message,
+    so message n is the same on both) and telling the recorder about them."""
+
+    def __init__(self, connection: Connection, name: str, recorder: IoRecorder):
+        self.connection, self.name, self.recorder = connection, name, recorder
+        self.count = 0
+
+    def send(self, message) -> None:
+        self.connection.send(message)
+        self.count += 1
+        self.recorder.message("send", self.name, self.count)
+
+    def recv(self, started: Optional[float] = None):
+        """The next message; ``started``: when the caller began waiting for it (a blocking receive)."""
+        message = self.connection.recv()
+        self.count += 1
+        self.recorder.message("recv", self.name, self.count, started)
+        return message
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        return self.connection.poll(timeout)
+
+    def close(self) -> None:
+        self.connection.close()
+
+
 class BufferSizes(NamedTuple):
     """Element counts the update buffers are sized for, and how many spare piece buffers the read-ahead
     gets (see ``UpdateBuffers``)."""
@@ -119,6 +158,7 @@ class Updater:
 
     def __init__(self, counters: IoCounters):
         self.counters = counters
+        self.recorder = IoRecorder(TRAIN)  # the engine's, while a trace is on
         self.wait_seconds = 0.0       # time the training loop spent blocked on updates
         self.update_seconds = 0.0     # time the updates themselves took
         self.bytes_read_ahead = 0     # state bytes the worker read before their update came
@@ -139,6 +179,13 @@ class Updater:
 
     def cancel_read_ahead(self) -> None:
         """Returns once nothing read ahead is held or in flight (before rewriting committed states)."""
+
+    def start_io_trace(self) -> None:
+        """Where updates run in another process: record its SSD operations there too."""
+
+    def stop_io_trace(self) -> List[IoEvent]:
+        """The other process's recorded events (none inline: they are the training process's)."""
+        return []
 
     def wait_for(self, handle: UpdateHandle) -> None:
         raise NotImplementedError
@@ -228,11 +275,13 @@ def worker_main(task_fd: int, result_fd: int) -> None:
     """The worker process: set up from the first message, then run tasks in order until ``None``. It
     takes new tasks whenever they are there, so that the next update's first read is in flight while
     the current one finishes."""
-    tasks, results = Connection(task_fd, writable=False), Connection(result_fd, readable=False)
+    recorder = IoRecorder(WORKER)
+    tasks = _Pipe(Connection(task_fd, writable=False), TASK_PIPE, recorder)
+    results = _Pipe(Connection(result_fd, readable=False), RESULT_PIPE, recorder)
     folder, ds_config, hyper, adamw_mode, sizes, num_threads, host_layouts = tasks.recv()
     _check_no_accelerator()
     torch.set_num_threads(num_threads)
-    store = SsdStore(folder, ds_config, IoCounters(), "worker")
+    store = SsdStore(folder, ds_config, IoCounters(), "worker", recorder=recorder)
     kernel = CpuAdamKernel(hyper, adamw_mode)
     pipeline = UpdatePipeline(store, kernel, UpdateBuffers(store, *sizes), SharedHostMemory.attach(host_layouts))
     results.send("ready")
@@ -256,6 +305,12 @@ def worker_main(task_fd: int, result_fd: int) -> None:
             elif isinstance(message, CancelReadAhead):
                 _send_all(results, _guarded(pipeline, pipeline.cancel_read_ahead))
                 results.send(Ack("read-ahead cancelled"))
+            elif isinstance(message, TraceIo):
+                if message.on:
+                    recorder.start()
+                else:
+                    events = recorder.stop()
+                    results.send(TracedIo(events))
             else:
                 pipeline.add(message)
         _send_all(results, _guarded(pipeline, pipeline.advance))
@@ -283,7 +338,7 @@ def _guarded(pipeline: UpdatePipeline, action) -> List[UpdateResult]:
         return [UpdateResult(task.task_id, 0.0, 0, 0, error) for task in pipeline.abandon()]
 
 
-def _send_all(results: Connection, finished: List[UpdateResult]) -> None:
+def _send_all(results: _Pipe, finished: List[UpdateResult]) -> None:
     for result in finished:
         results.send(result)
 
@@ -307,8 +362,8 @@ class WorkerUpdater(Updater):
                                           str(result_write)], pass_fds=shared_fds, env=worker_environment())
         os.close(task_read)
         os.close(result_write)
-        self._tasks = Connection(task_write, readable=False)
-        self._results = Connection(result_read, writable=False)
+        self._tasks = _Pipe(Connection(task_write, readable=False), TASK_PIPE, self.recorder)
+        self._results = _Pipe(Connection(result_read, writable=False), RESULT_PIPE, self.recorder)
         self._tasks.send((folder, ds_config, hyper, adamw_mode, tuple(sizes), num_threads, host.layouts()))
         self._receive(timeout=start_timeout, expecting="the worker to start")
 
@@ -337,6 +392,15 @@ class WorkerUpdater(Updater):
         while not isinstance(message := self._receive(timeout=None, expecting="the read-ahead to stop"), Ack):
             self._complete(message)
 
+    def start_io_trace(self) -> None:
+        self._tasks.send(TraceIo(True))
+
+    def stop_io_trace(self) -> List[IoEvent]:
+        self._tasks.send(TraceIo(False))
+        while not isinstance(message := self._receive(timeout=None, expecting="its I/O trace"), TracedIo):
+            self._complete(message)
+        return message.events
+
     def wait_for(self, handle: UpdateHandle) -> None:
         started = time.perf_counter()
         while handle.result is None:
@@ -358,13 +422,14 @@ class WorkerUpdater(Updater):
             self._process.kill()
 
     def _receive(self, timeout: Optional[float], expecting: str):
-        deadline = None if timeout is None else time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = None if timeout is None else started + timeout
         while not self._results.poll(_WORKER_POLL_SECONDS):
             self._raise_if_dead(expecting)
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"the greedysnake optimizer worker did not answer within {timeout:.0f} s "
                                    f"while training waited for {expecting}")
-        return self._results.recv()
+        return self._results.recv(started)
 
     def _raise_if_dead(self, expecting: str) -> None:
         if self._process.poll() is not None:

@@ -119,3 +119,17 @@ def leave_lock_of_a_dead_build(build_folder) -> str:
     an_hour_ago = time.time() - 3600
     os.utime(path, (an_hour_ago, an_hour_ago))
     return path
+
+
+def recorded_io(trace, process):
+    """A record's issues, waits and messages of ``process``, in the form of the replay's log without its times
+    (io_replay.ReplayResult.log): what the replay must have done, in order."""
+    out = []
+    for event in trace.of(process):
+        if event.kind == "issue":
+            out.append(("issue", event.store, event.handles[0], event.op, event.path, event.bytes))
+        elif event.kind == "wait":
+            out.append(("wait", event.store, event.handles))
+        elif event.kind in ("send", "recv"):
+            out.append((event.kind, event.op, event.serial))
+    return out
