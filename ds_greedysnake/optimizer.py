@@ -142,6 +142,7 @@ class LayerwiseAdam(torch.optim.Optimizer):
                     "weight_decay": hyper.weight_decay, "bias_correction": hyper.bias_correction}
         super().__init__([torch.nn.Parameter(torch.zeros(0))], defaults)
         self.gradient_clipping = settings.gradient_clipping
+        self.worker_threads = settings.worker_threads  # the optimizer worker's CPU threads (Adam's, overlapped)
         self.parallel = parallel
         self.step_count = 0
         self.skipped_steps = 0

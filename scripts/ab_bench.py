@@ -26,7 +26,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ab_bench_report import markdown, plot, roofline  # noqa: E402
+from ab_bench_report import markdown, plot, plot_time, roofline  # noqa: E402
 from ab_bench_setup import (AIO, CONFIGS, DEFAULT_CONFIGS, ENGINES, QUICK_CONFIGS, REPO, free_port,  # noqa: E402
                             remove_shm_buffers)
 
@@ -53,6 +53,10 @@ def parse_args(argv=None):
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--greedysnake-options", type=json.loads, default={}, metavar="JSON",
                         help='keys merged into greedysnake\'s "greedysnake" block, e.g. \'{"optimizer_read_ahead_mb": 256}\'')
+    parser.add_argument("--trace", default=None, metavar="FILE",
+                        help="write the Chrome/Perfetto trace (chrome://tracing, ui.perfetto.dev) of one greedysnake "
+                             "step, its median one, to FILE; with several greedysnake runs, one file each, named "
+                             "FILE's stem + _<run>.json")
     parser.add_argument("--ranks", type=int, nargs="+", default=None,
                         help="data-parallel world sizes to run (default: 1 for every M, and 2 at the largest M "
                              "of each configuration; --quick: 1)")
@@ -127,6 +131,17 @@ def _launch_ranks(spec_path: str, spec: dict, args, log_name: str, world_size: i
     return [process.returncode for process in processes]
 
 
+def trace_path(args, label: str):
+    """Where ``--trace`` puts a run's Chrome trace: FILE itself when the invocation has one greedysnake run on
+    one rank, else FILE's stem + _<label>.json."""
+    if not args.trace:
+        return None
+    configs = args.configs or ["?", "?"]
+    single = len(configs) == 1 and len(args.micro_batches or [0, 0]) == 1 and (args.ranks or [1]) == [1]
+    stem, extension = os.path.splitext(args.trace)
+    return args.trace if single else f"{stem}_{label}{extension or '.json'}"
+
+
 def merge_ranks(results: list) -> dict:
     """One run's result from its ranks: rank 0's timings, SSD bytes summed over the ranks (one SSD),
     the largest per-process peak RSS (and the sum), the mean of the ranks' losses."""
@@ -199,6 +214,7 @@ def main(argv=None):
                 label = f"{name}_m{m}" + (f"_ranks{world_size}" if world_size > 1 else "") + f"_{engine}"
                 spec = {"engine": engine, "config": name, "model": model_spec, "micro_batches": m,
                         "greedysnake_options": args.greedysnake_options,
+                        "trace_path": trace_path(args, label) if engine == "greedysnake" and world_size == 1 else None,
                         "warmup": warmup, "steps": steps, "seed": 0, "nvme_path": os.path.join(scratch, label)}
                 run = run_child("engine", spec, args, label, world_size)
                 rates_after = probe_ssd()
@@ -242,6 +258,9 @@ def main(argv=None):
     if not args.no_plot:
         plot(report, os.path.join(args.out_dir, "ab_bench.png"))
         print(f"plot: {os.path.join(args.out_dir, 'ab_bench.png')}")
+        if any("floors" in run for run in runs):
+            plot_time(report, os.path.join(args.out_dir, "ab_bench_time.png"))
+            print(f"where the time goes: {os.path.join(args.out_dir, 'ab_bench_time.png')}")
     print(f"total {report['wall_seconds']:.0f}s; JSON {os.path.join(args.out_dir, 'ab_bench.json')}")
 
 

@@ -84,8 +84,14 @@ def run_engine(spec: dict) -> dict:
     batches = micro_batches(synthetic_corpus(100_000, model_spec["vocab"], data_seed), mbs, model_spec["seq_len"],
                             data_seed)
     steps = []
+    # greedysnake on one rank: each measured step is recorded, for its floor (ab_bench_floor.py).
+    floors_wanted = engine_name == "greedysnake" and world_size == 1
+    windows = []
     for index in range(spec["warmup"] + spec["steps"]):
+        if floors_wanted and index == spec["warmup"]:
+            engine.start_io_trace()
         io_before = process_io()
+        window_start = time.monotonic()
         started = time.perf_counter()
         if engine_name == "zero_infinity":
             with count_zero_param_swap_reads() as counter:
@@ -93,6 +99,8 @@ def run_engine(spec: dict) -> dict:
         else:
             loss = float(engine.train_batch(batches))
         seconds = time.perf_counter() - started
+        if floors_wanted and index >= spec["warmup"]:
+            windows.append((window_start, time.monotonic()))
         io_after = process_io()
         record = {"step": index + 1, "warmup": index < spec["warmup"], "seconds": seconds, "loss": loss,
                   "proc_read_bytes": io_after["read_bytes"] - io_before["read_bytes"],
@@ -118,8 +126,12 @@ def run_engine(spec: dict) -> dict:
                           optimizer_wait_seconds=metrics.optimizer_wait_seconds)
         steps.append(record)
         print(json.dumps({k: v for k, v in record.items() if not isinstance(v, dict)}), flush=True)
+    floors = None
     if engine_name == "greedysnake":
+        trace = engine.stop_io_trace() if floors_wanted else None
         engine.close()
+        if floors_wanted:
+            floors = measure_floors(engine, trace, windows, spec, gpt, trainable, batches)
     measured = [s for s in steps if not s["warmup"]]
     median = lambda key: statistics.median(s[key] for s in measured)
     tokens = m * mbs * model_spec["seq_len"] * world_size
@@ -138,6 +150,8 @@ def run_engine(spec: dict) -> dict:
         "final_loss": steps[-1]["loss"], "losses": [s["loss"] for s in steps],
         "steps": steps, "ds_config": ds, "torch_threads": torch.get_num_threads(),
     }
+    if floors is not None:
+        result["floors"] = floors
     if engine_name == "greedysnake":
         # Parameters whose optimizer states stay in host memory (optimizer_host_memory_mb): no SSD bytes.
         result["host_state_parameters"] = sum(layer.numel for layer in engine.layers
@@ -161,6 +175,38 @@ def run_engine(spec: dict) -> dict:
         result["io_crosscheck_read"] = result["param_read_bytes_per_step"] / max(1, result["proc_read_bytes_per_step"])
         result["io_crosscheck_write"] = None
     return result
+
+
+def measure_floors(engine, trace, windows, spec: dict, gpt, trainable: int, batches) -> dict:
+    """Each measured step's floors (ab_bench_floor.py), on the closed run's files; with ``trace_path``, the
+    Chrome trace of the median step goes there."""
+    import torch
+    from ab_bench_floor import step_floors
+    from ab_bench_setup import add_lora
+    from ds_greedysnake.io_trace import write_chrome_trace
+    from ds_greedysnake.models.gpt import build_gpt
+
+    m = spec["micro_batches"]
+    torch.manual_seed(spec["seed"])
+    model = add_lora(build_gpt(gpt), spec["model"])
+    tokens, _ = next(batches)
+
+    def compute_once() -> float:
+        per_micro_batch = vertical_compute(model, tokens, m, repeats=1)
+        return m * (per_micro_batch["forward_s"] + per_micro_batch["forward_backward_s"])
+
+    print(f"{time.strftime('%H:%M:%S')} replaying {len(windows)} steps' I/O", flush=True)
+    floors = step_floors(trace, windows, engine.ds_config_dict, compute_once, trainable,
+                         engine.optimizer.worker_threads)
+    if spec.get("trace_path"):
+        order = sorted(range(len(windows)), key=lambda i: windows[i][1] - windows[i][0])
+        start, end = windows[order[len(order) // 2]]
+        write_chrome_trace(trace.window(start, end), spec["trace_path"])
+        floors["trace_path"] = spec["trace_path"]
+    for r in floors["rounds"]:
+        print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()
+                          if not isinstance(v, dict)}), flush=True)
+    return floors
 
 
 def measure_ssd_rates(folder: str, region_mib: int, repeats: int) -> dict:

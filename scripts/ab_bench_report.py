@@ -140,6 +140,7 @@ def markdown(report: dict) -> str:
         lines.append(f"| {item['config']} | {item['micro_batches']} | {item.get('world_size', 1)} | "
                      f"{item['zero_infinity']:.6f} | "
                      f"{item['greedysnake']:.6f} | {item['relative_difference']:.1e} |")
+    lines += floor_table(report)
     gs_runs = [r for r in report["runs"] if r["engine"] == "greedysnake"]
     if gs_runs:
         ops = sorted({op for r in gs_runs for op in r["seconds_by_op_mean"]})
@@ -151,6 +152,66 @@ def markdown(report: dict) -> str:
                          + " | ".join(f"{r['seconds_by_op_mean'].get(op, 0.0):.2f}" for op in ops)
                          + f" | {r['optimizer_seconds_mean']:.2f} | {r['optimizer_wait_seconds_mean']:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def floor_table(report: dict) -> list:
+    """greedysnake's step against its floor, measured from its own steps (ab_bench_floor.py), and where the
+    step's time went; medians over the measured steps (rounds)."""
+    runs = [r for r in report["runs"] if "floors" in r]
+    if not runs:
+        return []
+    lines = ["", "greedysnake's step against its own floor: each measured step's SSD operations replayed right after "
+             "the run with no compute (I/O), the compute alone in the vertical order, CPU Adam alone over the "
+             "trainable parameters; floor = the largest, and max(I/O, compute + Adam) where they share the cores "
+             "(ab_bench_floor.py). Medians over the rounds.", "",
+             "| config | M | rounds | step s | I/O replay s (MiB/s) | compute s | Adam s | floor s (is) | step / floor | "
+             "shared-cores floor s | step / it | compute | SSD waits | worker waits | rest |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        f = run["floors"]
+        kinds = [r["floor_is"] for r in f["rounds"]]
+        b = f["breakdown_mean"]
+        lines.append(
+            f"| {run['config']} | {run['micro_batches']} | {len(f['rounds'])} | {f['step_s_median']:.3f} | "
+            f"{f['io_replay_s_median']:.3f} ({f['replay_bytes_per_s_median'] / MIB:.0f}) | {f['compute_s_median']:.3f} | "
+            f"{f['adam_s_median']:.3f} | {f['floor_s_median']:.3f} ({max(set(kinds), key=kinds.count)}) | "
+            f"{f['step_over_floor_median']:.2f}x | {f['shared_cores_floor_s_median']:.3f} | "
+            f"{f['step_over_shared_cores_floor_median']:.2f}x | {b['compute']:.3f} | {b['ssd_wait']:.3f} | "
+            f"{b['worker_wait']:.3f} | {b['rest']:.3f} |")
+    return lines
+
+
+def plot_time(report: dict, path: str) -> None:
+    """Where greedysnake's step time goes: a stacked bar per run (compute, SSD waits, waits on the optimizer
+    worker, the rest), with its floors marked."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in report["runs"] if "floors" in r]
+    figure, axis = plt.subplots(figsize=(max(5.0, 1.4 * len(runs) + 2), 4.5))
+    parts = (("compute", "tab:blue"), ("ssd_wait", "tab:orange"), ("worker_wait", "tab:green"), ("rest", "tab:gray"))
+    for index, run in enumerate(runs):
+        bottom = 0.0
+        breakdown = run["floors"]["breakdown_mean"]
+        for part, colour in parts:
+            axis.bar(index, breakdown[part], bottom=bottom, color=colour, width=0.6,
+                     label=part.replace("_", " ") if index == 0 else None)
+            bottom += breakdown[part]
+        floors = run["floors"]
+        for key, marker, name in (("io_replay_s_median", "v", "I/O replay"), ("compute_s_median", "^", "compute alone"),
+                                  ("adam_s_median", "s", "Adam alone")):
+            axis.plot([index + 0.38], [floors[key]], marker, color="black", fillstyle="none",
+                      label=name if index == 0 else None)
+    axis.set_xticks(range(len(runs)))
+    axis.set_xticklabels([f"{r['config']}\nM={r['micro_batches']}" for r in runs])
+    axis.set_ylabel("seconds per step (mean over the measured steps)")
+    axis.set_title("greedysnake: where a step's time goes, and its floors", fontsize=10)
+    axis.grid(axis="y", alpha=0.3)
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
 
 
 def plot(report: dict, path: str) -> None:

@@ -51,7 +51,7 @@ def run_bench(out_dir, *arguments):
 
 def test_quick_ab_bench(tmp_path):
     out_dir = tmp_path / "out"
-    command = ["--configs", "ssd_bound", "--micro-batches", "2", "--hidden", "256"]
+    command = ["--configs", "ssd_bound", "--micro-batches", "2", "--hidden", "256", "--trace", str(tmp_path / "step.json")]
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -90,6 +90,9 @@ def test_quick_ab_bench(tmp_path):
     assert (out_dir / "ab_bench.md").exists()
     if "--no-plot" not in command:
         assert (out_dir / "ab_bench.png").stat().st_size > 0
+        assert (out_dir / "ab_bench_time.png").stat().st_size > 0
+    check_floors(next(run for run in report["runs"] if run["engine"] == "greedysnake"), tmp_path / "step.json")
+    assert "step / floor" in (out_dir / "ab_bench.md").read_text()
 
     # Both engines are exact (docs/parity.md), so they end on the same loss. They are not bitwise
     # equal: zero.Init replaces F.linear with DeepSpeed's own autograd function (about 1e-7 relative
@@ -99,6 +102,27 @@ def test_quick_ab_bench(tmp_path):
     assert report["loss_agreement"], "no configuration ran both engines"
     for item in report["loss_agreement"]:
         assert item["relative_difference"] < 1e-4, item
+
+
+def check_floors(run, trace_path):
+    """greedysnake's floors (ab_bench_floor.py): one round per measured step, each with its replay, compute and
+    Adam, the floor their largest; the replay moved what the step's record holds; the trace is trace-event JSON."""
+    floors = run["floors"]
+    assert len(floors["rounds"]) == len([s for s in run["steps"] if not s["warmup"]])
+    for item in floors["rounds"]:
+        assert item["io_replay_s"] > 0 and item["compute_s"] > 0 and item["adam_s"] > 0
+        assert item["floor_s"] == max(item["io_replay_s"], item["compute_s"], item["adam_s"])
+        assert item["shared_cores_floor_s"] >= item["floor_s"]
+        assert item["step_over_floor"] == pytest.approx(item["step_s"] / item["floor_s"])
+        assert item["replay_read_bytes"] > 0 and item["replay_write_bytes"] > 0
+        assert sum(item["transfer_sizes"].values()) == item["replay_read_bytes"] + item["replay_write_bytes"]
+        parts = item["breakdown"]
+        assert parts["compute"] > 0
+        assert parts["compute"] + parts["ssd_wait"] + parts["worker_wait"] + parts["rest"] == pytest.approx(
+            parts["total"])
+    assert floors["trace_path"] == str(trace_path)
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    assert {"X", "b", "e"} <= {event["ph"] for event in events}
 
 
 def test_quick_lora_row_trains_one_peft_model_under_both_engines(tmp_path):
