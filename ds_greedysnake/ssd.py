@@ -210,6 +210,22 @@ class SsdStore:
         transfers, self._in_flight = self._in_flight, []
         self._check_completed(transfers, self._wait_handles(transfers))
 
+    def wait_reads(self) -> None:
+        """Complete (and check) every read in flight, leaving the writes in flight: reads and writes go to
+        different handles."""
+        self._wait_kind("read")
+
+    def wait_writes(self) -> None:
+        """Complete every write in flight, leaving the reads in flight."""
+        self._wait_kind("write")
+
+    def _wait_kind(self, kind: str) -> None:
+        mine = [t for t in self._in_flight if t.kind == kind]
+        if not mine:
+            return
+        self._in_flight = [t for t in self._in_flight if t.kind != kind]
+        self._check_completed(mine, self._wait_handles(mine))
+
     def wait_for_read(self, buffer: torch.Tensor) -> None:
         """Complete the read in flight into ``buffer`` (checked and counted as by ``wait``), leaving the
         other transfers in flight; with one read handle (its reads share it), this is ``wait``."""

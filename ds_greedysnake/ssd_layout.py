@@ -33,7 +33,7 @@ ALIGNMENT = 4096
 TAG_BYTES = 8
 OPTIMIZER_STATE_BYTES_PER_PARAM = 12  # fp32 master, exp_avg, exp_avg_sq
 KINDS = ("parameters", "frozen parameters", "optimizer states", "gradients", "activation spill")
-# 4 Mi elements: a 48 MiB piece buffer, two per executing process (update_pipeline.py).
+# 4 Mi elements: a 48 MiB piece buffer, three per executing process (update_pipeline.py).
 STATE_PIECE_NUMEL = 1 << 22
 
 

@@ -2,14 +2,18 @@
 
 A layer's optimizer states on SSD are split into pieces of at most ``STATE_PIECE_NUMEL`` elements,
 each its own region holding [fp32 master | exp_avg | exp_avg_sq] of that element range. One step of
-the pipeline waits for the piece read last time (and for the writes issued last time), runs Adam on
-it, then issues its writes and the read of the next piece, of this update or of the next one queued:
+the pipeline waits for the piece read last time, issues the read of the next piece (of this update or
+of the next one queued), runs Adam on it while the writes issued last time are still in flight, then
+waits for those writes and issues its own:
 
-    wait -> Adam(i) -> write(i) + read(i+1) in flight -> wait -> Adam(i+1) -> ...
+    wait read(i) -> read(i+1) issued -> Adam(i), write(i-1) in flight -> wait write(i-1) -> write(i) -> ...
 
 Reading one layer while the previous one is written kept the SSD busy where the whole-layer
-read / Adam / write sequence left it idle half the time, and two piece buffers bound the locked
-memory by the piece size instead of 12 bytes times the largest layer.
+read / Adam / write sequence left it idle half the time; keeping the writes in flight over the next
+Adam keeps it busy while Adam runs, which on a machine whose cores training also uses can take
+longer than the read in flight. Three piece buffers (the one read, the one in Adam, the one written)
+bound the locked memory by the piece size instead of 12 bytes times the largest layer, and two
+weight buffers let one update's new weights be written while the next one's are cast.
 
 Between the last update of one step and the first gradient of the next (the end of the next forward
 and the start of its backward) nothing is queued and the SSD would idle: the training process hints
@@ -67,19 +71,24 @@ class _Piece:
     buffer: Optional[torch.Tensor]  # holds the piece read from SSD; None: the states are in host memory
 
 
+# Piece buffers the rotation needs (see the module doc): the piece read, the one in Adam, the one written.
+ROTATION_PIECES = 3
+
+
 class UpdateBuffers:
-    """Aligned host buffers of ``store``; one set per executing process: two piece buffers plus
-    ``read_ahead_pieces`` more (none when every layer's states are in host memory), a gradient buffer for
-    the largest layer whose gradient comes through SSD (none when all are in host memory), and the new
-    weights of the largest layer."""
+    """Aligned host buffers of ``store``; one set per executing process: ``ROTATION_PIECES`` piece buffers
+    plus ``read_ahead_pieces`` more (none when every layer's states are in host memory), a gradient buffer
+    for the largest layer whose gradient comes through SSD (none when all are in host memory), and two
+    buffers for the new weights of the largest layer (one written while the next update casts into the
+    other)."""
 
     def __init__(self, store: SsdStore, largest_numel: int, largest_ssd_state_piece_numel: int,
                  largest_ssd_grad_numel: int, read_ahead_pieces: int = 0):
         piece_bytes = padded_size(12 * largest_ssd_state_piece_numel)
-        count = 2 + read_ahead_pieces
+        count = ROTATION_PIECES + read_ahead_pieces
         self.pieces = [store.buffer(piece_bytes) for _ in range(count)] if largest_ssd_state_piece_numel else []
         self.grad = store.buffer(padded_size(4 * largest_ssd_grad_numel)) if largest_ssd_grad_numel else None
-        self.params = store.buffer(padded_size(4 * largest_numel))
+        self.params = [store.buffer(padded_size(4 * largest_numel)) for _ in range(2)]
 
 
 class UpdatePipeline:
@@ -92,13 +101,15 @@ class UpdatePipeline:
         self._current: Optional[_Piece] = None  # read issued (or in host memory): Adam runs at the next step
         self._writing_buffer: Optional[torch.Tensor] = None  # the piece buffer writes are issued from
         self._completing: List = []             # updates whose last writes are in flight
+        self._params_buffer = {}                # task_id -> the weight buffer its pieces are cast into
+        self._next_params_buffer = 0
         self._io_bytes = {}                     # task_id -> [read, written, of which read ahead], counted at issue
         self._started = {}                      # task_id -> when its first piece was issued
         self._last_completion = time.perf_counter()
         self._hints: Deque[ReadAheadPiece] = deque()  # pieces the next updates read first, in their order
         self._read_ahead: Dict[Tuple[int, int], Tuple[Region, torch.Tensor]] = {}  # (layer, index) -> read early
-        # Two buffers always stay for the rotation: the piece in Adam, the one being written or read.
-        self._read_ahead_limit = max(0, len(buffers.pieces) - 2)
+        # The rotation's buffers always stay: the piece in Adam, the one written, the one read.
+        self._read_ahead_limit = max(0, len(buffers.pieces) - ROTATION_PIECES)
         self._orphan_read_bytes = 0  # read ahead, then discarded: reported with the next result
 
     def add(self, task) -> None:
@@ -117,18 +128,22 @@ class UpdatePipeline:
         return self._current is None and not self._completing and not self._queue
 
     def advance(self) -> List[UpdateResult]:
-        """One step: wait for the reads and writes in flight, run Adam on the piece just read, issue its
-        writes and the next read. Returns the results of the updates whose writes completed."""
-        self._store.wait()
-        self._writing_buffer = None
-        finished = self._report_completed()
+        """One step: wait for the piece read last time, issue the next read, run Adam on the piece while the
+        writes issued last time are in flight, wait for those, issue this piece's writes. Returns the
+        results of the updates whose writes completed."""
+        self._store.wait_reads()
         piece, self._current = self._current, None
         if piece is not None:
             # The next read goes out before Adam runs, so the SSD is not idle meanwhile, unless it would
-            # overwrite the gradient buffer this piece still reads (a new update whose gradient is on SSD).
-            if self._next_read_can_start_before(piece):
+            # overwrite the gradient buffer this piece still reads (a new update whose gradient is on SSD),
+            # or no buffer is free (the writes in flight hold one, spare buffers hold pieces read ahead).
+            if self._next_read_can_start_before(piece) and self._next_read_has_a_buffer(busy=piece.buffer):
                 self._current = self._issue_next_read(busy=piece.buffer)
             self._compute(piece)
+        self._store.wait_writes()
+        self._writing_buffer = None
+        finished = self._report_completed()
+        if piece is not None:
             self._issue_writes(piece)
             if self._current is None:
                 self._current = self._issue_next_read()
@@ -139,6 +154,14 @@ class UpdatePipeline:
             return False
         upcoming = self._queue[0]
         return upcoming is piece.task or upcoming.grad is None
+
+    def _next_read_has_a_buffer(self, busy: torch.Tensor) -> bool:
+        """The next piece needs no piece buffer (its states are in host memory, or were read ahead), or one is
+        free."""
+        task = self._queue[0]
+        if task.state_in is None or (task.layer, self._next_piece) in self._read_ahead:
+            return True
+        return self._free_buffer(busy) is not None
 
     def drain(self) -> List[UpdateResult]:
         finished = []
@@ -191,6 +214,7 @@ class UpdatePipeline:
         self._queue.clear()
         self._current, self._completing, self._next_piece = None, [], 0
         self._writing_buffer = None
+        self._params_buffer.clear()
         self._hints.clear()
         self._orphan_read_bytes += sum(region.padded_bytes for region, _ in self._read_ahead.values())
         self._read_ahead.clear()
@@ -213,6 +237,9 @@ class UpdatePipeline:
         if index == 0:
             self._started[task.task_id] = time.perf_counter()
             self._io_bytes[task.task_id] = [0, 0, 0]
+            # The other weight buffer than the update before: that one may still be written from.
+            self._params_buffer[task.task_id] = self._buffers.params[self._next_params_buffer]
+            self._next_params_buffer = 1 - self._next_params_buffer
             if task.grad is not None:
                 self._read(task, task.grad, self._buffers.grad)
         buffer = None
@@ -223,10 +250,11 @@ class UpdatePipeline:
                 self._read(task, task.state_in[index], buffer)
         return _Piece(task, index, start, stop, buffer)
 
-    def _free_buffer(self, busy: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """A piece buffer neither written from, ``busy``, nor holding a piece read ahead."""
+    def _free_buffer(self, busy: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """A piece buffer neither written from, ``busy``, nor holding a piece read ahead; None if there is none
+        (only while writes are in flight: the rotation has a buffer for each of the other three)."""
         taken = [buffer for _, buffer in self._read_ahead.values()] + [self._writing_buffer, busy]
-        return next(b for b in self._buffers.pieces if not any(b is other for other in taken))
+        return next((b for b in self._buffers.pieces if not any(b is other for other in taken)), None)
 
     def _take_read_ahead(self, task, index: int) -> Optional[torch.Tensor]:
         """The buffer holding this piece if it was read ahead, and is still what the update reads."""
@@ -257,7 +285,7 @@ class UpdatePipeline:
         if not task.recast_only:
             self._kernel.update(task.step, task.hyper, master, self._gradient_piece(piece), exp_avg, exp_avg_sq)
         element_bytes = torch.empty(0, dtype=task.compute_dtype).element_size()
-        params = self._buffers.params[:element_bytes * task.numel].view(task.compute_dtype)
+        params = self._params_buffer[task.task_id][:element_bytes * task.numel].view(task.compute_dtype)
         params[piece.start:piece.stop].copy_(master)
 
     def _gradient_piece(self, piece: _Piece) -> torch.Tensor:
@@ -282,7 +310,7 @@ class UpdatePipeline:
         last = piece.index == len(task.state_in) - 1 if task.state_in is not None else True
         if last:
             # Every piece has been cast into the weight buffer: the layer's new weights go out whole.
-            self._write(task, task.param_out, self._buffers.params)
+            self._write(task, task.param_out, self._params_buffer.pop(task.task_id))
             self._completing.append(task)
 
     def _report_completed(self) -> List[UpdateResult]:

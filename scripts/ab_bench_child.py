@@ -367,6 +367,10 @@ def vertical_compute(model, tokens, num_micro_batches: int, repeats: int) -> dic
     from ds_greedysnake.models.gpt import lm_loss
 
     layers = list(model)
+    # Backward stops at the lowest layer with something to train, as the engine's does (a frozen embedding
+    # under LoRA needs no input gradient and no backward).
+    lowest = next((i for i, layer in enumerate(layers) if any(p.requires_grad for p in layer.parameters())),
+                  len(layers) - 1)
     forward, forward_backward = [], []
     for _ in range(repeats + 1):
         started = time.perf_counter()
@@ -377,17 +381,17 @@ def vertical_compute(model, tokens, num_micro_batches: int, repeats: int) -> dic
         forward.append(time.perf_counter() - started)
         started = time.perf_counter()
         output_grads = [None] * num_micro_batches
-        for index in range(len(layers) - 1, -1, -1):
+        for index in range(len(layers) - 1, lowest - 1, -1):
             for mb in range(num_micro_batches):
                 layer_input = inputs[index][mb]
-                if index > 0:
+                if index > lowest:
                     layer_input = layer_input.detach().requires_grad_(True)
                 output = layers[index](layer_input)
                 if index == len(layers) - 1:
                     (lm_loss(output, tokens) / num_micro_batches).backward()
                 else:
                     output.backward(output_grads[mb])
-                output_grads[mb] = layer_input.grad if index > 0 else None
+                output_grads[mb] = layer_input.grad if index > lowest else None
         forward_backward.append(time.perf_counter() - started)
         model.zero_grad(set_to_none=False)
     return {"forward_s": min(forward[1:]) / num_micro_batches,

@@ -137,5 +137,8 @@ def test_quick_lora_row_trains_one_peft_model_under_both_engines(tmp_path):
     for run in runs.values():
         assert run["lora_rank"] == 4 and 0 < run["trainable_parameters"] < run["parameters"] / 10
         assert run["param_read_bytes_per_step"] > 0
+    # The floors of a model with a frozen embedding: the compute alone stops its backward above it.
+    rounds = runs["greedysnake"]["floors"]["rounds"]
+    assert rounds and all(item["compute_s"] > 0 and item["io_replay_s"] > 0 for item in rounds)
     # The same model and the same data: the same loss (bitwise here; 1e-4 as for the full configurations).
     assert report["loss_agreement"] and report["loss_agreement"][0]["relative_difference"] < 1e-4

@@ -1,11 +1,13 @@
 """The update pipeline: piece ranges, queued updates run earliest deadline (lowest layer) first, and
-states read ahead while it idles."""
+states read ahead while it idles, and the writes kept in flight over the next piece's Adam."""
 import copy
+import time
 
 import torch
 
 from ds_greedysnake.deepspeed_compat import AdamHyperparameters, CpuAdamKernel
 from ds_greedysnake.host_memory import HostArena, SharedHostMemory
+from ds_greedysnake.io_trace import WORKER, IoRecorder
 from ds_greedysnake.ssd import IoCounters, Region, SsdStore, padded_size
 from ds_greedysnake.update_pipeline import ReadAheadPiece, UpdateBuffers, UpdatePipeline, piece_ranges
 from ds_greedysnake.updates import UpdateTask, plan_write
@@ -34,12 +36,14 @@ class RecordingStore:
     def wait(self):
         pass
 
+    wait_reads = wait_writes = wait
+
 
 class Buffers:
     pieces, grad = [], None
 
     def __init__(self, numel):
-        self.params = torch.empty(4 * numel, dtype=torch.uint8)
+        self.params = [torch.empty(4 * numel, dtype=torch.uint8) for _ in range(2)]
 
 
 def test_queued_updates_run_lowest_layer_first_after_the_started_one():
@@ -158,3 +162,41 @@ def test_read_ahead_waits_for_idle_and_can_be_cancelled(tmp_path):
     layers.pipeline.add(layers.task(1, 1))
     layers.pipeline.drain()
     assert layers.store.counters.reads["optimizer"] == reads_before + 1
+
+
+def test_the_writes_of_one_piece_stay_in_flight_over_the_next_pieces_adam(tmp_path):
+    """Read(i+1) goes out before Adam(i), and write(i-1) is waited for only after it: while Adam runs,
+    the SSD has a read and a write to serve. The same bits as waiting for everything before Adam."""
+    layers = SsdLayers(tmp_path / "overlapped", read_ahead_pieces=0)
+    recorder = IoRecorder(WORKER)
+    layers.store.recorder = recorder
+    kernel_update = layers.pipeline._kernel.update
+
+    def update(*args):
+        recorder.span("adam", time.monotonic())
+        return kernel_update(*args)
+
+    layers.pipeline._kernel.update = update
+    recorder.start()
+    for task_id, layer in enumerate([0, 1]):
+        layers.pipeline.add(layers.task(task_id, layer))
+    layers.pipeline.drain()
+    events = recorder.stop()
+    order = [(e.kind, e.op, e.path.rsplit("_", 1)[-1] if e.path else "", e.handles) for e in events]
+    second_adam = [i for i, e in enumerate(events) if e.kind == "span"][1]
+    first_state_write = next(i for i, e in enumerate(events)
+                             if e.kind == "issue" and e.op == "write" and e.path == layers.slots[0][1].path)
+    waited = next(i for i, e in enumerate(events) if i > first_state_write and e.kind == "wait" and "w" in e.handles)
+    assert first_state_write < second_adam < waited, order
+    # Layer 1's read was in flight during layer 0's Adam.
+    second_read = next(i for i, e in enumerate(events)
+                       if e.kind == "issue" and e.op == "read" and e.path == layers.slots[1][0].path)
+    first_adam = [i for i, e in enumerate(events) if e.kind == "span"][0]
+    assert second_read < first_adam, order
+
+    # The same new states as two updates run one after the other with nothing in flight over Adam.
+    reference = SsdLayers(tmp_path / "serial", read_ahead_pieces=0)
+    for task_id, layer in enumerate([0, 1]):
+        reference.pipeline.add(reference.task(task_id, layer))
+        reference.pipeline.drain()
+    assert all(torch.equal(a, b) for a, b in zip(layers.results(), reference.results()))
