@@ -13,6 +13,7 @@ the training process and of the optimizer worker appends to an ``IoRecorder``:
 Times are ``time.monotonic()``, one clock for both processes (Linux's CLOCK_MONOTONIC). The replay of
 such a record with no compute (``io_replay.py``) is the step's I/O floor.
 """
+import bisect
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -58,7 +59,8 @@ class IoRecorder:
     def issue(self, store: str, handle: str, op: str, path: str, num_bytes: int, category: str) -> None:
         if self.enabled:
             now = time.monotonic()
-            self.events.append(IoEvent("issue", self.process, now, now, store, (handle,), op, path, num_bytes, category))
+            self.events.append(IoEvent("issue", self.process, now, now, store, (handle,), op, path, num_bytes,
+                                       category))
 
     def wait(self, store: str, handles: Sequence[str], started: float) -> None:
         if self.enabled:
@@ -126,10 +128,13 @@ def time_breakdown(trace: IoTrace, start: float, end: float) -> Dict[str, float]
     worker (blocking receives of its results), and the rest (Python, copies, the optimizer's bookkeeping)."""
     waits = [e for e in trace.of(TRAIN, "wait")]
     worker_waits = [e for e in trace.of(TRAIN, "recv") if e.op == RESULT_PIPE]
-    compute_spans = [e for e in trace.of(TRAIN, "span") if e.op in COMPUTE_OPS]
+    compute_spans = sorted((e for e in trace.of(TRAIN, "span") if e.op in COMPUTE_OPS), key=lambda e: e.start)
+    starts = [span.start for span in compute_spans]
 
     def inside_compute(event: IoEvent) -> bool:
-        return any(span.start <= event.start and event.end <= span.end for span in compute_spans)
+        # One thread: spans do not overlap, so only the last one starting before the event can hold it.
+        index = bisect.bisect_right(starts, event.start) - 1
+        return index >= 0 and event.end <= compute_spans[index].end
 
     ssd = sum(e.end - e.start for e in waits)
     worker = sum(e.end - e.start for e in worker_waits)
@@ -143,55 +148,67 @@ def time_breakdown(trace: IoTrace, start: float, end: float) -> Dict[str, float]
 _PIDS = {TRAIN: 1, WORKER: 2}
 
 
+class _ChromeTrace:
+    """Trace events built up track by track (a track: one named row of one process)."""
+
+    def __init__(self, origin: float):
+        self.origin = origin
+        self.events: List[dict] = [{"ph": "M", "name": "process_name", "pid": pid,
+                                    "args": {"name": f"greedysnake {process}"}} for process, pid in _PIDS.items()]
+        self._tracks: Dict[Tuple[str, str], int] = {}
+
+    def micros(self, seconds: float) -> float:
+        return round((seconds - self.origin) * 1e6, 3)
+
+    def track(self, process: str, name: str) -> int:
+        if (process, name) not in self._tracks:
+            self._tracks[(process, name)] = len(self._tracks) + 1
+            self.events.append({"ph": "M", "name": "thread_name", "pid": _PIDS[process],
+                                "tid": self._tracks[(process, name)], "args": {"name": name}})
+        return self._tracks[(process, name)]
+
+    def complete(self, event: IoEvent, name: str, category: str, track_name: str) -> None:
+        """A slice from the event's start to its end."""
+        self.events.append({"ph": "X", "name": name, "cat": category, "pid": _PIDS[event.process],
+                            "tid": self.track(event.process, track_name), "ts": self.micros(event.start),
+                            "dur": max(0.001, self.micros(event.end) - self.micros(event.start))})
+
+    def arrow_end(self, event: IoEvent) -> None:
+        """One end of a message's arrow: its send, or its receive's completion."""
+        outgoing = event.kind == "send"
+        self.events.append({"ph": "s" if outgoing else "f", "bp": "e", "name": event.op, "cat": "message",
+                            "id": (0 if event.op == TASK_PIPE else 1 << 30) + event.serial,
+                            "pid": _PIDS[event.process], "tid": self.track(event.process, "messages"),
+                            "ts": self.micros(event.start if outgoing else event.end)})
+
+    def transfer(self, number: int, issued: IoEvent, completed: float) -> None:
+        """An async slice: transfers on one handle overlap (several in flight), which plain slices may not."""
+        common = {"name": f"{issued.op} {issued.category} {issued.bytes / 2**20:.1f} MiB", "id": number,
+                  "cat": f"aio {issued.store}", "pid": _PIDS[issued.process],
+                  "tid": self.track(issued.process, f"aio {issued.store} {issued.handles[0]}")}
+        self.events.append(dict(common, ph="b", ts=self.micros(issued.start),
+                                args={"path": issued.path, "bytes": issued.bytes, "handle": issued.handles[0]}))
+        self.events.append(dict(common, ph="e", ts=self.micros(completed)))
+
+
 def chrome_trace(trace: IoTrace) -> dict:
-    """Trace-event JSON (chrome://tracing, Perfetto): per process, one track of schedule ops and waits,
-    one per aio handle with each transfer from its issue to the wait that completed it, and the messages
-    between the processes as flow arrows."""
-    origin = min((event.start for event in trace.events), default=0.0)
-    micros = lambda seconds: round((seconds - origin) * 1e6, 3)  # noqa: E731
-    events: List[dict] = []
-    tracks: Dict[Tuple[str, str], int] = {}
-
-    def track(process: str, name: str) -> int:
-        if (process, name) not in tracks:
-            tracks[(process, name)] = len(tracks) + 1
-            events.append({"ph": "M", "name": "thread_name", "pid": _PIDS[process], "tid": tracks[(process, name)],
-                           "args": {"name": name}})
-        return tracks[(process, name)]
-
-    for process, pid in _PIDS.items():
-        events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"greedysnake {process}"}})
-    sends = {(e.op, e.serial) for e in trace.events if e.kind == "send"}
-    receives = {(e.op, e.serial) for e in trace.events if e.kind == "recv"}
+    """Trace-event JSON (chrome://tracing, Perfetto): per process, one track of schedule ops, one of waits,
+    one of messages, one per aio handle with each transfer from its issue to the wait that completed it,
+    and each message with both ends in the record as an arrow."""
+    out = _ChromeTrace(min((event.start for event in trace.events), default=0.0))
+    ends = {kind: {(e.op, e.serial) for e in trace.events if e.kind == kind} for kind in ("send", "recv")}
     for event in trace.events:
-        pid = _PIDS[event.process]
         if event.kind == "span":
-            events.append({"ph": "X", "name": event.label or event.op, "cat": "op", "pid": pid, "tid": track(event.process, "schedule"),
-                           "ts": micros(event.start), "dur": micros(event.end) - micros(event.start)})
+            out.complete(event, event.label or event.op, "op", "schedule")
         elif event.kind == "wait":
-            events.append({"ph": "X", "name": f"wait {event.store} {','.join(event.handles)}", "cat": "wait", "pid": pid,
-                           "tid": track(event.process, "waits"), "ts": micros(event.start),
-                           "dur": micros(event.end) - micros(event.start)})
+            out.complete(event, f"wait {event.store} {','.join(event.handles)}", "wait", "waits")
         elif event.kind in ("send", "recv"):
-            flow_id = (0 if event.op == TASK_PIPE else 1 << 30) + event.serial
-            outgoing = (event.kind == "send")
-            events.append({"ph": "X", "name": f"{event.kind} {event.op}#{event.serial}", "cat": "message", "pid": pid,
-                           "tid": track(event.process, "messages"), "ts": micros(event.start),
-                           "dur": max(0.001, micros(event.end) - micros(event.start))})
-            if (event.op, event.serial) not in sends & receives:
-                continue  # its other end is outside the record: no arrow
-            events.append({"ph": "s" if outgoing else "f", "bp": "e", "name": event.op, "cat": "message", "id": flow_id,
-                           "pid": pid, "tid": track(event.process, "messages"),
-                           "ts": micros(event.start if outgoing else event.end)})
-    # Transfers on one handle overlap (several in flight), so they are async slices, which may.
+            out.complete(event, f"{event.kind} {event.op}#{event.serial}", "message", "messages")
+            if (event.op, event.serial) in ends["send"] & ends["recv"]:
+                out.arrow_end(event)
     for number, (issued, completed) in enumerate(completions(trace)):
-        common = {"name": f"{issued.op} {issued.category} {issued.bytes / 2**20:.1f} MiB", "cat": f"aio {issued.store}",
-                  "id": number, "pid": _PIDS[issued.process],
-                  "tid": track(issued.process, f"aio {issued.store} {issued.handles[0]}")}
-        events.append(dict(common, ph="b", ts=micros(issued.start), args={"path": issued.path, "bytes": issued.bytes,
-                                                                          "handle": issued.handles[0]}))
-        events.append(dict(common, ph="e", ts=micros(completed)))
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
+        out.transfer(number, issued, completed)
+    return {"traceEvents": out.events, "displayTimeUnit": "ms"}
 
 
 def write_chrome_trace(trace: IoTrace, path: str) -> None:

@@ -63,17 +63,26 @@ def reference_training(model: torch.nn.Module, config: GPTConfig, num_micro_batc
     losses = []
     for _ in range(steps):
         optimizer.zero_grad()
-        total = 0.0
-        for _ in range(num_micro_batches):
-            inputs, labels = next(batches)
-            loss = loss_of(model, inputs, labels)
-            (loss / num_micro_batches).backward()
-            total += float(loss.detach()) / num_micro_batches
+        total = accumulate_micro_batches(model, batches, num_micro_batches, loss_of)
         if clipping > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clipping)
         optimizer.step()
         losses.append(total)
     return model, losses
+
+
+def accumulate_micro_batches(model, batches, num_micro_batches: int, loss_of, after_backward=None) -> float:
+    """One step's backward over ``num_micro_batches`` from ``batches`` (loss / M each, as DeepSpeed and the
+    engine do); ``after_backward()`` runs after each. Returns the mean loss."""
+    total = 0.0
+    for _ in range(num_micro_batches):
+        inputs, labels = next(batches)
+        loss = loss_of(model, inputs, labels)
+        (loss / num_micro_batches).backward()
+        total += float(loss.detach()) / num_micro_batches
+        if after_backward is not None:
+            after_backward()
+    return total
 
 
 def relative_l2(got: Dict[str, torch.Tensor], reference: torch.nn.Module) -> float:

@@ -16,7 +16,8 @@ from ds_greedysnake.models.hf import hf_causal_lm_loss  # noqa: E402
 from ds_greedysnake.schedule import OpKind  # noqa: E402
 from ds_greedysnake.ssd_layout import padded_size  # noqa: E402
 from hf_models import hf_data, hf_loss_of, lora_model, tiny_model  # noqa: E402
-from helpers import data, ds_config, fresh_model, reference_training, tiny_gpt_config  # noqa: E402
+from helpers import (accumulate_micro_batches, data, ds_config, fresh_model, reference_training,  # noqa: E402
+                     tiny_gpt_config)
 
 pytestmark = pytest.mark.slow
 
@@ -199,15 +200,13 @@ def bf16_reference(start, steps, batches):
     losses = []
     for _ in range(steps):
         sums = {name: torch.zeros_like(master) for name, master in masters.items()}
-        total = 0.0
-        for _ in range(NUM_MICRO_BATCHES):
-            inputs, labels = next(batches)
-            loss = hf_loss_of(model, inputs, labels)
-            (loss / NUM_MICRO_BATCHES).backward()
-            total += float(loss.detach()) / NUM_MICRO_BATCHES
+
+        def add_to_sums():
             for name, param in trained.items():
                 sums[name] += param.grad.float()
                 param.grad = None
+
+        total = accumulate_micro_batches(model, batches, NUM_MICRO_BATCHES, hf_loss_of, add_to_sums)
         for name, master in masters.items():
             master.grad = sums[name]
         optimizer.step()
