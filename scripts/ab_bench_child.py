@@ -186,13 +186,17 @@ def measure_floors(engine, trace, windows, spec: dict, gpt, trainable: int, batc
     from ds_greedysnake.io_trace import write_chrome_trace
     from ds_greedysnake.models.gpt import build_gpt
 
+    from deepspeed.accelerator import get_accelerator
+
     m = spec["micro_batches"]
     torch.manual_seed(spec["seed"])
-    model = add_lora(build_gpt(gpt), spec["model"])
-    tokens, _ = next(batches)
+    # On the engine's device: with a GPU the compute floor is the GPU's.
+    device = get_accelerator().current_device_name()
+    model = add_lora(build_gpt(gpt), spec["model"]).to(device)
+    tokens = next(batches)[0].to(device)
 
     def compute_once() -> float:
-        per_micro_batch = vertical_compute(model, tokens, m, repeats=1)
+        per_micro_batch = vertical_compute(model, tokens, m, repeats=1, synchronize=get_accelerator().synchronize)
         return m * (per_micro_batch["forward_s"] + per_micro_batch["forward_backward_s"])
 
     print(f"{time.strftime('%H:%M:%S')} replaying {len(windows)} steps' I/O", flush=True)
@@ -358,11 +362,12 @@ def stream_ssd(folder: str, stop: str) -> None:
     os._exit(0)  # skip DeepSpeed's native teardown (see main)
 
 
-def vertical_compute(model, tokens, num_micro_batches: int, repeats: int) -> dict:
+def vertical_compute(model, tokens, num_micro_batches: int, repeats: int, synchronize=lambda: None) -> dict:
     """Plain PyTorch in the vertical order, weights resident: every micro-batch through one layer before
     the next, then backward layer by layer with a recompute. A layer's weights stay in cache across the
     micro-batches, so per micro-batch this can beat the whole-model pass; the roofline takes the faster.
-    Seconds per micro-batch, the fastest repeat."""
+    Seconds per micro-batch, the fastest repeat; ``synchronize`` waits for the device (on a GPU: the
+    accelerator's synchronize, so that the times are of the work, not of queueing it)."""
     import torch
     from ds_greedysnake.models.gpt import lm_loss
 
@@ -373,12 +378,15 @@ def vertical_compute(model, tokens, num_micro_batches: int, repeats: int) -> dic
                   len(layers) - 1)
     forward, forward_backward = [], []
     for _ in range(repeats + 1):
+        synchronize()
         started = time.perf_counter()
         inputs = [[tokens] * num_micro_batches]  # inputs[l][mb]: layer l's input
         with torch.no_grad():
             for layer in layers[:-1]:
                 inputs.append([layer(value) for value in inputs[-1]])
+        synchronize()
         forward.append(time.perf_counter() - started)
+        synchronize()
         started = time.perf_counter()
         output_grads = [None] * num_micro_batches
         for index in range(len(layers) - 1, lowest - 1, -1):
@@ -392,6 +400,7 @@ def vertical_compute(model, tokens, num_micro_batches: int, repeats: int) -> dic
                 else:
                     output.backward(output_grads[mb])
                 output_grads[mb] = layer_input.grad if index > lowest else None
+        synchronize()
         forward_backward.append(time.perf_counter() - started)
         model.zero_grad(set_to_none=False)
     return {"forward_s": min(forward[1:]) / num_micro_batches,

@@ -164,11 +164,25 @@ def _ab_rows(ab) -> list:
     return rows
 
 
+def _floors(*reports) -> list:
+    """greedysnake's step against its own floor (ab_bench_floor.py) in each A/B report, per configuration and M."""
+    rows = []
+    for ab in reports:
+        for run in (ab or {}).get("runs", []):
+            if "floors" in run:
+                f = run["floors"]
+                rows.append({"config": run["config"], "micro_batches": run["micro_batches"],
+                             **{key: f[f"{key}_median"] for key in ("step_s", "io_replay_s", "compute_s", "adam_s",
+                                                                     "floor_s", "step_over_floor")}})
+    return rows
+
+
 def report(args) -> None:
     folder = args.folder
     stages = _load(os.path.join(folder, "stages.json")) or {}
     fp32, bf16 = _load(os.path.join(folder, "parity_fp32.json")), _load(os.path.join(folder, "parity_bf16.json"))
     ab, prof = _load(os.path.join(folder, "ab", "ab_bench.json")), _load(os.path.join(folder, "profile.json"))
+    lora = _load(os.path.join(folder, "ab_lora", "ab_bench.json"))
     setup = _load(os.path.join(folder, "setup.json")) or {}
     rows = _ab_rows(ab)
     at_8 = next((row for row in rows if row["micro_batches"] == 8), None)
@@ -179,7 +193,8 @@ def report(args) -> None:
         "h2d_hidden_share_measured": None if prof is None else prof["hidden_share"] is not None,
     }
     summary = {"dry_run": setup.get("dry_run"), "setup": setup, "stages": stages, "checks": checks,
-               "parity_fp32": fp32, "parity_bf16": bf16, "ab_ssd_bound": rows,
+               "parity_fp32": fp32, "parity_bf16": bf16, "ab_ssd_bound": rows, "ab_lora": _ab_rows(lora),
+               "floors": _floors(ab, lora),
                "profile": None if prof is None else {k: v for k, v in prof.items() if k != "copies"},
                "profile_copies": None if prof is None else prof["copies"]}
     with open(os.path.join(folder, "gpu_check.json"), "w") as handle:
@@ -221,6 +236,16 @@ def _markdown(summary: dict) -> str:
         for row in summary["ab_ssd_bound"]:
             lines.append(f"| {row['micro_batches']} | {row['greedysnake_step_s']:.3f} | {row['zero_infinity_step_s']:.3f} "
                          f"| {row['speedup']:.2f}x | {row['loss_relative_difference']:.1e} |")
+    for row in summary.get("ab_lora", []):
+        lines.append(f"\nLoRA M={row['micro_batches']}: greedysnake {row['greedysnake_step_s']:.3f} s/step, ZeRO-Infinity "
+                     f"{row['zero_infinity_step_s']:.3f} s/step ({row['speedup']:.2f}x), final-loss difference "
+                     f"{row['loss_relative_difference']:.1e}")
+    if summary.get("floors"):
+        lines += ["", "greedysnake's step against its own floor (its I/O replayed, compute alone, CPU Adam alone; medians):",
+                  "", "| config | M | step s | I/O replay s | compute s | Adam s | step / floor |", "|---|---|---|---|---|---|---|"]
+        for row in summary["floors"]:
+            lines.append(f"| {row['config']} | {row['micro_batches']} | {row['step_s']:.3f} | {row['io_replay_s']:.3f} | "
+                         f"{row['compute_s']:.3f} | {row['adam_s']:.3f} | {row['step_over_floor']:.2f}x |")
     if summary["profile_copies"]:
         lines += ["", "| fetch | layer | MB | copy ms | hidden |", "|---|---|---|---|---|"]
         for copy in summary["profile_copies"]:

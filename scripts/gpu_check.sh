@@ -12,7 +12,8 @@
 # 2. Then, within CHECK_SECONDS (default 480) in all, each stage under its own timeout:
 #    fp32 and bf16 parity against plain PyTorch on the GPU; the one-rank A/B of ssd_bound at M=1 and 8
 #    against ZeRO-Infinity (scripts/ab_bench.py); a profile of one step (the share of each layer's
-#    host-to-device copy hidden under compute).
+#    host-to-device copy hidden under compute); with the time left, the LoRA row at M=8 (its step against
+#    its own floor, a Chrome trace of the median step).
 # 3. OUT_DIR gets one JSON per stage, gpu_check.json (everything) and report.md (a short table).
 #
 # A failed stage does not stop the others; the exit status is that of the first failed stage.
@@ -115,10 +116,12 @@ stage() {  # stage NAME SECONDS COMMAND...: run under a timeout that also respec
 
 if [ "$DRY_RUN" = 1 ]; then
     AB_OPTIONS=(--quick --micro-batches 1 8 --steps 1)
+    LORA_OPTIONS=(--quick --steps 1)
     PROFILE_OPTIONS=(--small)
     PARITY_SECONDS=600 AB_SECONDS=1800 PROFILE_SECONDS=600
 else
     AB_OPTIONS=(--micro-batches 1 8 --warmup 1 --steps 2)
+    LORA_OPTIONS=(--warmup 1 --steps 3)
     PROFILE_OPTIONS=()
     PARITY_SECONDS=60 AB_SECONDS=240 PROFILE_SECONDS=100
 fi
@@ -130,6 +133,10 @@ stage ab_ssd_bound "$AB_SECONDS" "$PY" scripts/ab_bench.py --configs ssd_bound -
     --nvme-path "$NVME_PATH" --out-dir "$OUT/ab"
 stage profile "$PROFILE_SECONDS" "$PY" scripts/gpu_check.py profile --out "$OUT/profile.json" \
     --nvme-path "$NVME_PATH" "${PROFILE_OPTIONS[@]}"
+# Last, in whatever time is left: the LoRA row at M=8 (frozen base, PEFT adapters), with greedysnake's step
+# against its own floor and a Chrome trace of its median step.
+stage ab_lora "$AB_SECONDS" "$PY" scripts/ab_bench.py --configs lora --micro-batches 8 --ranks 1 --no-plot \
+    "${LORA_OPTIONS[@]}" --nvme-path "$NVME_PATH" --out-dir "$OUT/ab_lora" --trace "$OUT/ab_lora/step.json"
 
 # ----------------------------------------------------------------------------- 3. the report
 "$PY" - "$OUT" <<'PY'

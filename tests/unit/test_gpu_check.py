@@ -3,6 +3,8 @@ import json
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
 
 import gpu_check  # noqa: E402
@@ -47,3 +49,24 @@ def test_the_report_says_what_ran_and_what_did_not(tmp_path):
     assert "| ab_ssd_bound | 124 (timed out) | 240 |" in report
     assert "| fp32 parity vs plain PyTorch | yes | rel. L2 2.00e-07 (tolerance 1e-05) |" in report
     assert "| bf16 parity vs plain PyTorch | not run |  |" in report
+
+
+def test_the_report_gives_the_lora_row_and_each_step_against_its_floor(tmp_path):
+    (tmp_path / "stages.json").write_text(json.dumps({"ab_lora": {"exit": 0, "seconds": 30}}))
+    floors = {f"{key}_median": value for key, value in
+              (("step_s", 0.3), ("io_replay_s", 0.12), ("compute_s", 0.24), ("adam_s", 0.001), ("floor_s", 0.24),
+               ("step_over_floor", 1.25))}
+    runs = [{"engine": "greedysnake", "config": "lora", "micro_batches": 8, "step_seconds_median": 0.3,
+             "final_loss": 7.0, "floors": floors},
+            {"engine": "zero_infinity", "config": "lora", "micro_batches": 8, "step_seconds_median": 2.1,
+             "final_loss": 7.0}]
+    (tmp_path / "ab_lora").mkdir()
+    (tmp_path / "ab_lora" / "ab_bench.json").write_text(json.dumps({"runs": runs}))
+    gpu_check.main(["report", str(tmp_path)])
+    summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert summary["ab_lora"][0]["speedup"] == pytest.approx(7.0)
+    assert summary["floors"] == [{"config": "lora", "micro_batches": 8, "step_s": 0.3, "io_replay_s": 0.12,
+                                  "compute_s": 0.24, "adam_s": 0.001, "floor_s": 0.24, "step_over_floor": 1.25}]
+    report = (tmp_path / "report.md").read_text()
+    assert "LoRA M=8: greedysnake 0.300 s/step, ZeRO-Infinity 2.100 s/step (7.00x)" in report
+    assert "| lora | 8 | 0.300 | 0.120 | 0.240 | 0.001 | 1.25x |" in report
