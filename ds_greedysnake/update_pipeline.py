@@ -247,6 +247,8 @@ class UpdatePipeline:
             buffer = self._take_read_ahead(task, index)
             if buffer is None:
                 buffer = self._free_buffer(busy)
+                # The rotation's three buffers leave one free here: at most one is written from, one ``busy``.
+                assert buffer is not None, "no piece buffer free for the next read"
                 self._read(task, task.state_in[index], buffer)
         return _Piece(task, index, start, stop, buffer)
 
