@@ -98,7 +98,8 @@ class Executor:
                 else:
                     self._run(op, micro_batches, losses, output_grads)
             seconds[op.kind.value] += time.perf_counter() - started
-            self.recorder.span(op.kind.value, span_started, str(op))
+            if self.recorder.enabled:
+                self.recorder.span(op.kind.value, span_started, str(op))
         return decision
 
     @torch.no_grad()

@@ -284,7 +284,8 @@ class SsdStore:
     def _wait_on(self, handles) -> int:
         started = time.monotonic()
         completed = sum(handle.wait() for handle in handles)
-        self.recorder.wait(self.name, [self._handle_label(handle) for handle in handles], started)
+        if self.recorder.enabled:
+            self.recorder.wait(self.name, [self._handle_label(handle) for handle in handles], started)
         return completed
 
     def _handle_label(self, handle) -> str:
@@ -326,8 +327,9 @@ class SsdStore:
                                  f"{region.path} could not start (return code {result})")
             transfer.num_ops += 1
         self._in_flight.append(transfer)
-        self.recorder.issue(self.name, self._handle_label(handle), transfer.kind, region.path, region.padded_bytes,
-                            region.category)
+        if self.recorder.enabled:
+            self.recorder.issue(self.name, self._handle_label(handle), transfer.kind, region.path,
+                                region.padded_bytes, region.category)
 
     def _check_buffer(self, region: Region, buffer: torch.Tensor) -> None:
         assert buffer.dtype == torch.uint8 and buffer.data_ptr() % ALIGNMENT == 0

@@ -389,17 +389,20 @@ class WorkerUpdater(Updater):
 
     def cancel_read_ahead(self) -> None:
         self._tasks.send(CancelReadAhead())
-        while not isinstance(message := self._receive(timeout=None, expecting="the read-ahead to stop"), Ack):
-            self._complete(message)
+        self._receive_answer(Ack, "the read-ahead to stop")
 
     def start_io_trace(self) -> None:
         self._tasks.send(TraceIo(True))
 
     def stop_io_trace(self) -> List[IoEvent]:
         self._tasks.send(TraceIo(False))
-        while not isinstance(message := self._receive(timeout=None, expecting="its I/O trace"), TracedIo):
+        return self._receive_answer(TracedIo, "its I/O trace").events
+
+    def _receive_answer(self, kind: type, expecting: str):
+        """The worker's next message of ``kind``, completing the update results that come before it."""
+        while not isinstance(message := self._receive(timeout=None, expecting=expecting), kind):
             self._complete(message)
-        return message.events
+        return message
 
     def wait_for(self, handle: UpdateHandle) -> None:
         started = time.perf_counter()

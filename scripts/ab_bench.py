@@ -131,15 +131,11 @@ def _launch_ranks(spec_path: str, spec: dict, args, log_name: str, world_size: i
     return [process.returncode for process in processes]
 
 
-def trace_path(args, label: str):
-    """Where ``--trace`` puts a run's Chrome trace: FILE itself when the invocation has one greedysnake run on
-    one rank, else FILE's stem + _<label>.json."""
-    if not args.trace:
-        return None
-    configs = args.configs or ["?", "?"]
-    single = len(configs) == 1 and len(args.micro_batches or [0, 0]) == 1 and (args.ranks or [1]) == [1]
-    stem, extension = os.path.splitext(args.trace)
-    return args.trace if single else f"{stem}_{label}{extension or '.json'}"
+def trace_path(trace: str, label: str, only_run: bool):
+    """Where ``--trace`` FILE puts a run's Chrome trace: FILE itself for the invocation's only greedysnake run
+    on one rank, else FILE's stem + _<label>.json."""
+    stem, extension = os.path.splitext(trace)
+    return trace if only_run else f"{stem}_{label}{extension or '.json'}"
 
 
 def merge_ranks(results: list) -> dict:
@@ -209,12 +205,14 @@ def main(argv=None):
                              f"ssd_probe{probe_count}")
 
         rates_before = probe_ssd()
+        one_rank_runs = sum(1 for *_, world_size in cells(configs, sweep, args) if world_size == 1)
         for name, model_spec, m, world_size in cells(configs, sweep, args):
             for engine in args.engines:
                 label = f"{name}_m{m}" + (f"_ranks{world_size}" if world_size > 1 else "") + f"_{engine}"
                 spec = {"engine": engine, "config": name, "model": model_spec, "micro_batches": m,
                         "greedysnake_options": args.greedysnake_options,
-                        "trace_path": trace_path(args, label) if engine == "greedysnake" and world_size == 1 else None,
+                        "trace_path": (trace_path(args.trace, label, one_rank_runs == 1)
+                                       if args.trace and engine == "greedysnake" and world_size == 1 else None),
                         "warmup": warmup, "steps": steps, "seed": 0, "nvme_path": os.path.join(scratch, label)}
                 run = run_child("engine", spec, args, label, world_size)
                 rates_after = probe_ssd()

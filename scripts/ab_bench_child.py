@@ -263,7 +263,7 @@ def measure_ssd_rates(folder: str, region_mib: int, repeats: int) -> dict:
 def measure_machine(spec: dict) -> dict:
     print(f"{time.strftime('%H:%M:%S')} importing", flush=True)
     import torch
-    from ds_greedysnake.deepspeed_compat import AdamHyperparameters, CpuAdamKernel
+    from ab_bench_floor import adam_step_seconds
     from ds_greedysnake.models.gpt import build_gpt, lm_loss
 
     result = {"torch_threads": torch.get_num_threads(), "cpus": os.cpu_count()}
@@ -271,15 +271,7 @@ def measure_machine(spec: dict) -> dict:
     result.update(measure_ssd_rates(folder, spec["ssd_region_mib"], spec["ssd_repeats"]))
     # CPU Adam: DeepSpeed's kernel on flat fp32 tensors.
     numel = spec["adam_numel"]
-    hyper = AdamHyperparameters(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
-    kernel = CpuAdamKernel(hyper, adamw_mode=True)
-    tensors = [torch.randn(numel) for _ in range(4)]
-    times = []
-    for step in range(1, 8):
-        started = time.perf_counter()
-        kernel.update(step, hyper, *tensors)
-        times.append(time.perf_counter() - started)
-    result["adam_elements_per_s"] = numel / statistics.median(times[1:])
+    result["adam_elements_per_s"] = numel / statistics.median(adam_step_seconds(numel, 7)[1:])
     # Compute: plain PyTorch forward (no graph) and forward+backward per micro-batch, per configuration.
     result["compute"] = {}
     for name, model_spec in spec["configs"].items():
@@ -386,7 +378,6 @@ def vertical_compute(model, tokens, num_micro_batches: int, repeats: int, synchr
                 inputs.append([layer(value) for value in inputs[-1]])
         synchronize()
         forward.append(time.perf_counter() - started)
-        synchronize()
         started = time.perf_counter()
         output_grads = [None] * num_micro_batches
         for index in range(len(layers) - 1, lowest - 1, -1):

@@ -11,10 +11,12 @@ max(I/O, compute + Adam), is reported beside it.
 """
 import statistics
 import time
+from typing import List, Optional
 
 
-def adam_seconds(numel: int, threads: int) -> float:
-    """One DeepSpeed CPU Adam step over ``numel`` fp32 elements on ``threads`` threads (after a warm-up)."""
+def adam_step_seconds(numel: int, steps: int, threads: Optional[int] = None) -> List[float]:
+    """Seconds of each of ``steps`` DeepSpeed CPU Adam steps over ``numel`` fp32 elements (the first warms up),
+    on ``threads`` threads (default: this process's)."""
     import torch
     from ds_greedysnake.deepspeed_compat import AdamHyperparameters, CpuAdamKernel
 
@@ -22,12 +24,14 @@ def adam_seconds(numel: int, threads: int) -> float:
     kernel = CpuAdamKernel(hyper, adamw_mode=True)
     tensors = [torch.randn(numel) for _ in range(4)]
     previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(threads or previous)
     try:
-        kernel.update(1, hyper, *tensors)
-        started = time.perf_counter()
-        kernel.update(2, hyper, *tensors)
-        return time.perf_counter() - started
+        times = []
+        for step in range(1, steps + 1):
+            started = time.perf_counter()
+            kernel.update(step, hyper, *tensors)
+            times.append(time.perf_counter() - started)
+        return times
     finally:
         torch.set_num_threads(previous)
 
@@ -46,7 +50,7 @@ def step_floors(trace, windows, ds_config: dict, compute_once, trainable: int, a
         window = trace.window(start, until)
         replayed = replay(window, ds_config)
         compute = compute_once()
-        adam = adam_seconds(trainable, adam_threads)
+        adam = adam_step_seconds(trainable, 2, adam_threads)[1]
         floors = {"io_replay": replayed.seconds, "compute": compute, "adam": adam}
         floor = max(floors.values())
         shared = max(replayed.seconds, compute + adam)
