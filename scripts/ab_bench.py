@@ -179,6 +179,10 @@ def main(argv=None):
             if value is not None:
                 spec[key] = value
     sweep = args.micro_batches or ([1, 4] if args.quick else [1, 2, 4, 8])
+    if args.trace and ("greedysnake" not in args.engines
+                       or not any(world_size == 1 for *_, world_size in cells(configs, sweep, args))):
+        raise SystemExit(f"--trace {args.trace}: only a greedysnake run on one rank is traced, and this invocation "
+                         "has none: add greedysnake to --engines, or 1 to --ranks")
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     steps = args.steps if args.steps is not None else (2 if args.quick else 4)
     os.makedirs(args.out_dir, exist_ok=True)

@@ -142,3 +142,12 @@ def test_quick_lora_row_trains_one_peft_model_under_both_engines(tmp_path):
     assert rounds and all(item["compute_s"] > 0 and item["io_replay_s"] > 0 for item in rounds)
     # The same model and the same data: the same loss (bitwise here; 1e-4 as for the full configurations).
     assert report["loss_agreement"] and report["loss_agreement"][0]["relative_difference"] < 1e-4
+
+
+def test_trace_without_a_traced_run_is_refused_before_anything_runs(tmp_path):
+    completed = subprocess.run([sys.executable, SCRIPT, "--configs", "ssd_bound", "--ranks", "2", "--trace",
+                                str(tmp_path / "step.json"), "--out-dir", str(tmp_path / "out")],
+                               cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert completed.returncode != 0
+    assert "--trace" in completed.stderr and "1 to --ranks" in completed.stderr
+    assert not (tmp_path / "out").exists()
