@@ -78,6 +78,12 @@ def _stdout_to_stderr_if(enabled: bool):
         os.close(saved)
 
 
+# --saturated compares plateaus, where compute binds: its probe times the layers 5x longer than a plan's.
+# A block's forward and backward at 16 x 32 tokens here, five probes in one process: 38.7-43.6 ms with
+# 5 repeats, 40.3-41.3 ms with 25 (docs/planner.md, 2026-12-02).
+SATURATED_LAYER_REPEATS = 25
+
+
 def _load_config(path: str) -> dict:
     try:
         with open(path) as handle:
@@ -91,13 +97,17 @@ def _load_config(path: str) -> dict:
 def _hardware(args, ds_config: dict, shape):
     if args.hardware != "probe":
         return load_hardware(args.hardware)
-    from .planner.probe import probe_machine  # imports torch and DeepSpeed's ops: only when probing
+    from .planner.probe import probe_machine, timeable  # imports torch and DeepSpeed's ops: only when probing
+    from .planner.saturation import DEFAULT_MICRO_BATCH_SIZES
     offload = (ds_config.get("zero_optimization") or {}).get("offload_param") or {}
     nvme_path = args.nvme_path or offload.get("nvme_path")
     workload = workload_from_config(ds_config, shape)
-    # Time the layers where one block fits easily in memory; otherwise fall back to FLOP/s.
-    timed = workload if shape.layers[1].params * workload.param_bytes < 2 * GIB else None
-    hardware = probe_machine(nvme_path, ds_config, timed)
+    # Time the layers where they fit easily in memory (every micro-batch size of a --saturated sweep);
+    # otherwise fall back to FLOP/s.
+    timed = workload if timeable(workload) else None
+    sizes = (args.micro_batch_sizes or DEFAULT_MICRO_BATCH_SIZES) if args.saturated else ()
+    hardware = probe_machine(nvme_path, ds_config, timed, more_micro_batch_sizes=sizes,
+                             layer_repeats=SATURATED_LAYER_REPEATS if args.saturated else None)
     if args.save_hardware:
         save_hardware(hardware, args.save_hardware)
     return hardware
@@ -191,8 +201,10 @@ def _describe_saturated(shape, hardware, request: PlanRequest, saturations: dict
                          f"{point.device.total / GIB:.2f} |")
     lines += ["", f"ratio of the saturated throughputs, greedysnake over ZeRO-Infinity: {saturated_ratio(saturations):.2f}x"]
     if hardware.layer_times:
-        lines.append(f"note: the probe timed the layers at {hardware.layer_times_for}; other micro-batch sizes are "
-                     "predicted from FLOP/s (docs/planner.md, limitations)")
+        from .planner.cost_model import compute_key_fields
+        sizes = sorted(int(compute_key_fields(key)["micro_batch_size"]) for key in hardware.timed_keys)
+        lines.append(f"note: the probe timed the layers at micro-batch sizes {', '.join(map(str, sizes))}; other "
+                     "micro-batch sizes are predicted from FLOP/s (docs/planner.md, limitations)")
     return "\n".join(lines)
 
 

@@ -57,6 +57,9 @@ def parse_args(argv=None):
                         help="write the Chrome/Perfetto trace (chrome://tracing, ui.perfetto.dev) of one greedysnake "
                              "step, its median one, to FILE; with several greedysnake runs, one file each, named "
                              "FILE's stem + _<run>.json")
+    parser.add_argument("--no-floors", action="store_true",
+                        help="skip greedysnake's floors (the I/O replay, compute and Adam alone after each one-rank "
+                             "run): a sweep over many configurations in less time; the step times are unchanged")
     parser.add_argument("--ranks", type=int, nargs="+", default=None,
                         help="data-parallel world sizes to run (default: 1 for every M, and 2 at the largest M "
                              "of each configuration; --quick: 1)")
@@ -183,6 +186,8 @@ def main(argv=None):
                        or not any(world_size == 1 for *_, world_size in cells(configs, sweep, args))):
         raise SystemExit(f"--trace {args.trace}: only a greedysnake run on one rank is traced, and this invocation "
                          "has none: add greedysnake to --engines, or 1 to --ranks")
+    if args.trace and args.no_floors:
+        raise SystemExit(f"--trace {args.trace} is written from the floors' recording: drop --no-floors")
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     steps = args.steps if args.steps is not None else (2 if args.quick else 4)
     os.makedirs(args.out_dir, exist_ok=True)
@@ -214,7 +219,7 @@ def main(argv=None):
             for engine in args.engines:
                 label = f"{name}_m{m}" + (f"_ranks{world_size}" if world_size > 1 else "") + f"_{engine}"
                 spec = {"engine": engine, "config": name, "model": model_spec, "micro_batches": m,
-                        "greedysnake_options": args.greedysnake_options,
+                        "greedysnake_options": args.greedysnake_options, "floors": not args.no_floors,
                         "trace_path": (trace_path(args.trace, label, one_rank_runs == 1)
                                        if args.trace and engine == "greedysnake" and world_size == 1 else None),
                         "warmup": warmup, "steps": steps, "seed": 0, "nvme_path": os.path.join(scratch, label)}

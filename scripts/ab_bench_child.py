@@ -85,7 +85,7 @@ def run_engine(spec: dict) -> dict:
                             data_seed)
     steps = []
     # greedysnake on one rank: each measured step is recorded, for its floor (ab_bench_floor.py).
-    floors_wanted = engine_name == "greedysnake" and world_size == 1
+    floors_wanted = engine_name == "greedysnake" and world_size == 1 and spec.get("floors", True)
     windows = []
     for index in range(spec["warmup"] + spec["steps"]):
         if floors_wanted and index == spec["warmup"]:

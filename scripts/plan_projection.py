@@ -3,6 +3,7 @@ over ZeRO-Infinity, each engine at the batch configuration where its throughput 
 
     python scripts/plan_projection.py                       # the table, the assumptions, docs/plan_projection.png
     python scripts/plan_projection.py --sensitivity         # and the ratio's sensitivity to each rate (a few minutes)
+    python scripts/plan_projection.py --explain --no-plot   # the factor each assumption alone would need for the paper's ratio
     python scripts/plan_projection.py --hardware FILE --json --no-plot
 
 Three settings (arXiv 2512.17570's headline, as the design notes restate it): GPT-65B on one A100
@@ -16,6 +17,7 @@ its source (paper, vendor sheet or assumed); the script prints them.
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 
@@ -130,6 +132,92 @@ def sensitivity(hardware, budget) -> list:
     return table
 
 
+# --explain: how far each assumption would have to move, alone, for the projected ratio to be the paper's.
+EXPLAIN_GRID = (0.25, 0.5, 1.0, 2.0, 4.0)
+EXPLAIN_BISECTIONS = 3
+
+
+def engine_ratios_at(hardware, budget, fields, factor, model: str, ranks: int) -> dict:
+    """The engine's saturated ratio over each ZeRO-Infinity variant with ``fields`` scaled by ``factor``
+    (the engine's default split only, as the sensitivity table)."""
+    from ds_greedysnake.schedule import default_deferred_layers
+    from ds_greedysnake.planner.errors import PlannerError
+    split = default_deferred_layers(len(named_shape(model).layers))
+    try:
+        found = project(scaled(hardware, fields, factor), model, ranks, budget, with_ideal=False, splits=[split])
+    except PlannerError:  # an engine fits no configuration there (device memory too small): no ratio
+        return {variant: None for variant in ZERO_VARIANTS}
+    return {variant: ratios(found)[f"engine_over_{variant}"] for variant in ZERO_VARIANTS}
+
+
+def break_even(evaluate, grid: dict, paper: float, variant: str):
+    """The factor nearest to x1 (on a log scale) at which the ratio over ``variant`` crosses the paper's,
+    refined by bisection between the grid points that bracket it; None when no factor of the grid reaches it
+    (a factor at which an engine fits nothing has no ratio and brackets nothing)."""
+    factors = sorted(grid)
+    one = factors.index(1.0)
+    brackets = []
+    for step in (-1, 1):   # outward from x1, each way
+        index = one
+        while 0 <= index + step < len(factors):
+            a, b = factors[index], factors[index + step]
+            if grid[b][variant] is None:
+                break
+            if (grid[a][variant] - paper) * (grid[b][variant] - paper) <= 0:
+                brackets.append((a, b))
+                break
+            index += step
+    if not brackets:
+        return None
+    a, b = min(brackets, key=lambda pair: abs(math.log(pair[1])))
+    ra = grid[a][variant]
+    for _ in range(EXPLAIN_BISECTIONS):
+        middle = math.sqrt(a * b)
+        rm = evaluate(middle)[variant]
+        if rm is None:
+            break
+        if (ra - paper) * (rm - paper) <= 0:
+            b = middle
+        else:
+            a, ra = middle, rm
+    return math.sqrt(a * b)
+
+
+def explain(hardware, budget) -> list:
+    """Per setting and assumption: the ratios over the grid of factors and the break-even factor for each
+    ZeRO-Infinity variant."""
+    table = []
+    for label, model, ranks, paper in SETTINGS:
+        unmoved = engine_ratios_at(hardware, budget, (), 1.0, model, ranks)
+        for name, fields in SENSITIVITY.items():
+            evaluate = lambda factor: engine_ratios_at(hardware, budget, fields, factor, model, ranks)  # noqa: E731
+            grid = {factor: unmoved if factor == 1.0 else evaluate(factor) for factor in EXPLAIN_GRID}
+            table.append({"setting": label, "paper": paper, "assumption": name,
+                          "grid": {f"{factor:g}": value for factor, value in grid.items()},
+                          "break_even": {variant: break_even(evaluate, grid, paper, variant) for variant in ZERO_VARIANTS}})
+            print(f"  explain: {label}, {name} done", file=sys.stderr, flush=True)
+    return table
+
+
+def print_explain(table: list) -> None:
+    print("\nwhat would explain the paper's ratio: the factor one assumption alone would have to be off by for the "
+          "projected ratio (the engine over ZeRO-Infinity, DeepSpeed defaults / as run here) to equal the paper's; "
+          f"'-' where no factor in x{EXPLAIN_GRID[0]:g}..x{EXPLAIN_GRID[-1]:g} reaches it; then the ratios over that "
+          "grid (as run here)")
+    print("| setting | assumption | break-even factor, defaults | break-even factor, as run here | ratio over as run "
+          "here at " + ", ".join(f"x{factor:g}" for factor in EXPLAIN_GRID) + " |")
+    print("|---|---|---|---|---|")
+    for entry in table:
+        factors = [entry["break_even"][variant] for variant in ZERO_VARIANTS]
+        print(f"| {entry['setting']} (paper {entry['paper']:.2f}x) | {entry['assumption']} | "
+              + " | ".join("-" if factor is None else f"x{factor:.2f}" for factor in factors) + " | "
+              + ", ".join(ratio_text(entry["grid"][f"{factor:g}"]["as_run_here"]) for factor in EXPLAIN_GRID) + " |")
+
+
+def ratio_text(ratio) -> str:
+    return "fits nothing" if ratio is None else f"{ratio:.2f}"
+
+
 def print_sensitivity(table: list) -> None:
     print("\nsensitivity: greedysnake engine's saturated ratio over ZeRO-Infinity (DeepSpeed defaults / as run here)"
           " when one assumption moves (the engine's default split only)")
@@ -177,6 +265,8 @@ def main(argv=None):
     parser.add_argument("--host-memory", type=float, default=None, help="GiB for greedysnake's plans, shared by the "
                         "ranks (default: half the hardware's host memory)")
     parser.add_argument("--sensitivity", action="store_true", help="also move each assumption by x0.5 and x2")
+    parser.add_argument("--explain", action="store_true",
+                        help="per setting and assumption, the factor that alone would give the paper's ratio")
     parser.add_argument("--plot", default=os.path.join(REPO, "docs", "plan_projection.png"))
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--json", action="store_true")
@@ -188,11 +278,12 @@ def main(argv=None):
         found = project(hardware, model, ranks, budget)
         rows.append((label, paper, found, ratios(found)))
     table = sensitivity(hardware, budget) if args.sensitivity else None
+    explained = explain(hardware, budget) if args.explain else None
     if args.json:
         print(json.dumps({"hardware": hardware.to_dict(), "budget_bytes": budget, "settings": [
             {"setting": label, "paper_ratio": paper, "ratios": ratio,
              "saturations": {key: saturation.to_dict() for key, saturation in found.items()}}
-            for label, paper, found, ratio in rows], "sensitivity": table}, indent=1))
+            for label, paper, found, ratio in rows], "sensitivity": table, "explain": explained}, indent=1))
     else:
         print(f"hardware: {hardware.name}; greedysnake host-memory budget {budget / GIB:.0f} GiB (shared by the ranks); "
               "bf16, sequences of 2048; saturated = the best tokens/s over every micro-batch size and M that fit")
@@ -209,6 +300,8 @@ def main(argv=None):
         print_assumptions(hardware)
         if table is not None:
             print_sensitivity(table)
+        if explained is not None:
+            print_explain(explained)
     if not args.no_plot:
         plot(rows, args.plot)
 

@@ -102,6 +102,11 @@ class Workload:
                 f"micro_batch_size={self.micro_batch_size},param_bytes={self.param_bytes}")
 
 
+def compute_key_fields(key: str) -> Dict[str, str]:
+    """``Workload.compute_key``'s fields, by name."""
+    return dict(item.split("=", 1) for item in key.split(",") if "=" in item)
+
+
 def layer_times(workload: Workload, hardware: Hardware) -> List[LayerTimes]:
     """Per layer, seconds per micro-batch: measured by the probe when it measured this workload,
     else FLOPs over the device's effective FLOP/s (backward twice the forward)."""
@@ -182,6 +187,8 @@ class Rates:
         self.adam = 1.0 / hardware.adam_elements_per_s
         handoff = hardware.grad_handoff_elements_per_s
         self.handoff = 0.0 if handoff is None else 1.0 / handoff
+        zero_reduce = hardware.zero_grad_reduce_elements_per_s if hardware.host_device_bytes_per_s is None else None
+        self.zero_grad_reduce = 0.0 if zero_reduce is None else 1.0 / zero_reduce
         link = hardware.host_device_bytes_per_s
         self.link = None if link is None else 1.0 / link
 
@@ -267,8 +274,10 @@ class HorizontalSettings:
 def horizontal_phases(workload: Workload, hardware: Hardware, settings: HorizontalSettings) -> List[Phase]:
     """Per micro-batch, per layer: forward and backward, each reading the layer's swapped parameters
     (a checkpointed block twice in backward, recompute and backward, unless the fetch is reused); reads
-    are serial with compute without prefetch. Then the optimizer step, after every micro-batch: per
-    layer, read states and gradient, Adam, write states, gradient and weights, as the swapper does."""
+    are serial with compute without prefetch; where the device is the host, each micro-batch's gradient
+    reduction (``zero_grad_reduce_elements_per_s``) adds to the backward's compute. Then the optimizer
+    step, after every micro-batch: per layer, read states and gradient, Adam, write states, gradient and
+    weights, as the swapper does."""
     layers, times, rates = workload.shape.layers, layer_times(workload, hardware), Rates(hardware)
     m = workload.micro_batches
     phases = []
@@ -284,6 +293,8 @@ def horizontal_phases(workload: Workload, hardware: Hardware, settings: Horizont
             compute = time.forward_s if sweep == "forward" else (
                 time.forward_backward_s if checkpointed else time.forward_backward_s - time.forward_s)
             read_seconds = reads * (rates.read if settings.prefetch else rates.read_one)
+            if sweep == "backward":  # the device is the host: the micro-batch's gradient reduced in the compute lane
+                compute += layer.params * rates.zero_grad_reduce
             if settings.prefetch:
                 serial, lanes = Linear(), {"compute": Linear(compute), "SSD": read_seconds}
             else:

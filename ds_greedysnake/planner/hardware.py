@@ -6,7 +6,7 @@ for one model and micro-batch size, used instead of FLOP/s when they match the w
 """
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Dict, Optional
 
 from .errors import PlannerError
@@ -17,6 +17,14 @@ class LayerTimes:
     """Measured seconds per micro-batch of one layer kind: forward without a graph, forward+backward."""
     forward_s: float
     forward_backward_s: float
+
+
+@dataclass
+class WorkloadTimes:
+    """What the probe measured for one more workload (a micro-batch size of a sweep): its layers'
+    times and the shared-cores slow-down, both of which depend on the tokens per micro-batch."""
+    layer_times: Dict[str, LayerTimes]
+    compute_slowdown_sharing_cores: Optional[float] = None
 
 
 # Where a hardware file's number may come from: the paper (arXiv 2512.17570, as restated in the design
@@ -36,6 +44,10 @@ class Hardware:
     ssd_write_bytes_per_s_single: Optional[float] = None  # one op per transfer; default: deep
     host_device_bytes_per_s: Optional[float] = None      # host<->device copies; None: the device is the host
     grad_handoff_elements_per_s: Optional[float] = None  # the engine's gradient hand-over (copy, fp64 norm)
+    # ZeRO-3's gradient reduction of every micro-batch where the device is the host (no link lane carries
+    # it): flatten the bucket, reduce-scatter it (a copy at one rank), add it into the fp32 partition;
+    # elements/s, in the compute lane. None: not modelled (a GPU's link lane carries its copy and add).
+    zero_grad_reduce_elements_per_s: Optional[float] = None
     host_memory_bytes: Optional[float] = None            # default budget for the planner
     device_memory_bytes: Optional[float] = None
     # What the device needs beyond the model's tensors (CUDA context, library workspaces, the allocator's
@@ -64,11 +76,14 @@ class Hardware:
     # Probe only: layer kind -> times, valid for ``layer_times_for`` (a workload key, see cost_model).
     layer_times: Dict[str, LayerTimes] = field(default_factory=dict)
     layer_times_for: str = ""
+    # Probe only: further workloads it timed (compute key -> WorkloadTimes), for ``plan --saturated``'s
+    # sweep over micro-batch sizes; ``for_workload`` picks the one a prediction needs.
+    timed_workloads: Dict[str, WorkloadTimes] = field(default_factory=dict)
 
     def __post_init__(self):
         for name in ("ssd_read_bytes_per_s", "ssd_write_bytes_per_s", "adam_elements_per_s", "device_flops_per_s",
                      "ssd_read_bytes_per_s_single", "ssd_write_bytes_per_s_single", "host_device_bytes_per_s",
-                     "grad_handoff_elements_per_s",
+                     "grad_handoff_elements_per_s", "zero_grad_reduce_elements_per_s",
                      "host_memory_bytes",
                      "device_memory_bytes", "device_workspace_bytes"):
             value = getattr(self, name)
@@ -102,6 +117,20 @@ class Hardware:
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
 
+    def for_workload(self, compute_key: str) -> "Hardware":
+        """This machine with the layer times and the shared-cores slow-down the probe measured for
+        ``compute_key`` (``Workload.compute_key``) when it timed that workload as one more; else itself."""
+        timed = self.timed_workloads.get(compute_key)
+        if timed is None or compute_key == self.layer_times_for:
+            return self
+        return replace(self, layer_times=dict(timed.layer_times), layer_times_for=compute_key,
+                       compute_slowdown_sharing_cores=timed.compute_slowdown_sharing_cores)
+
+    @property
+    def timed_keys(self):
+        """Every workload whose layers the probe timed."""
+        return ([self.layer_times_for] if self.layer_times else []) + sorted(self.timed_workloads)
+
 
 REQUIRED_FIELDS = ("name", "source", "ssd_read_bytes_per_s", "ssd_write_bytes_per_s", "adam_elements_per_s",
                    "device_flops_per_s")
@@ -121,8 +150,13 @@ def hardware_from_dict(data: Dict[str, Any], where: str = "hardware") -> Hardwar
     values = dict(data)
     try:
         values["layer_times"] = {kind: LayerTimes(**times) for kind, times in (data.get("layer_times") or {}).items()}
-    except TypeError as error:
-        raise PlannerError(f"{where}: layer_times entries need forward_s and forward_backward_s ({error})") from None
+        values["timed_workloads"] = {
+            key: WorkloadTimes({kind: LayerTimes(**times) for kind, times in (entry.get("layer_times") or {}).items()},
+                               entry.get("compute_slowdown_sharing_cores"))
+            for key, entry in (data.get("timed_workloads") or {}).items()}
+    except (TypeError, AttributeError) as error:
+        raise PlannerError(f"{where}: layer_times entries need forward_s and forward_backward_s, timed_workloads "
+                           f"entries layer_times and compute_slowdown_sharing_cores ({error})") from None
     return Hardware(**values)
 
 

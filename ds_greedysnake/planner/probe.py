@@ -2,9 +2,11 @@
 ``aio`` block (and the engine's fixed cost per transfer), CPU Adam elements/s, a layer update's cost
 beyond its transfers and Adam, how much training compute slows while the worker shares its cores,
 the gradient hand-over's elements/s, host<->device copies (when the device is not the host), and
-forward / forward+backward seconds of each layer kind of a model at the micro-batch size.
+forward / forward+backward seconds of each layer kind of a model at the micro-batch size (and at
+further micro-batch sizes, for a sweep over them).
 
     hardware = probe_machine("/path/on/ssd", ds_config, workload)   # a Hardware (to_dict() for JSON)
+    hardware = probe_machine(path, ds_config, workload, more_micro_batch_sizes=(1, 4, 16))  # plan --saturated
 
 Times are medians of repeats after one warm-up: the planner predicts typical steps, not the best one.
 """
@@ -13,7 +15,8 @@ import shutil
 import statistics
 import tempfile
 import time
-from typing import Callable, Dict, Optional, Tuple
+from dataclasses import replace
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -23,7 +26,8 @@ from ..config import parse_greedysnake_config, worker_threads_for
 from ..ssd import ALIGNMENT, IoCounters, SsdStore
 from .cost_model import Workload
 from .errors import PlannerError
-from .hardware import Hardware, LayerTimes
+from .device_memory import layer_working_set_bytes
+from .hardware import Hardware, LayerTimes, WorkloadTimes
 
 MIB = 2**20
 
@@ -232,6 +236,30 @@ def probe_grad_handoff(numel: int = 1 << 22, repeats: int = 5, device: Optional[
     return numel / _median_seconds(hand_over, repeats)
 
 
+def probe_zero_grad_reduce(device: torch.device, numel: int = 1 << 24, repeats: int = 5,
+                           dtype: torch.dtype = torch.float32) -> Optional[float]:
+    """Elements/s of ZeRO-3's gradient reduction after each micro-batch's backward where the device is the
+    host, as DeepSpeed 0.19.8 runs it at one rank (seen in a profile of ab_bench's ZeRO-Infinity step:
+    ``torch.cat`` of the bucket, gloo's reduce-scatter of it, then the add into the fp32 partition; 0.08 s
+    per micro-batch of 26 M parameters here), in the compute lane. The reduce-scatter runs on a one-rank
+    gloo group of this process alone, so a probe inside a launched job (``auto``) sends nothing to the
+    other ranks. None when the device is not the host (the link lane carries it, ``horizontal_phases``)."""
+    if device.type != "cpu":
+        return None
+    pieces = [torch.randn(numel // 8, dtype=dtype) for _ in range(8)]
+    reduced = torch.empty(numel // 8 * 8, dtype=dtype)
+    partition = torch.zeros(numel // 8 * 8, dtype=torch.float32)
+    alone = torch.distributed.ProcessGroupGloo(torch.distributed.HashStore(), 0, 1)
+
+    def reduce():
+        flat = torch.cat(pieces)
+        # What torch.distributed.reduce_scatter_tensor (DeepSpeed's reduce_scatter_fn) runs on the group.
+        alone._reduce_scatter_base(reduced, flat).wait()
+        partition.add_(reduced)
+
+    return numel // 8 * 8 / _median_seconds(reduce, repeats)
+
+
 def probe_link(device: torch.device, num_bytes: int = 256 * MIB, repeats: int = 3) -> Optional[float]:
     """Host<->device copy rate (slower direction); None when the device is the host."""
     if device.type == "cpu":
@@ -250,10 +278,11 @@ def probe_link(device: torch.device, num_bytes: int = 256 * MIB, repeats: int = 
     return num_bytes / slowest
 
 
-def probe_layers(workload: Workload, device: torch.device, repeats: int = 5) -> Dict[str, LayerTimes]:
-    """Seconds per micro-batch of the embedding, one block and the head with the loss, run as the
-    engine runs them: forward without a graph; recompute with a graph and backward, the gradients
-    accumulating in place in views of one flat accumulator."""
+def probe_layers(workload: Workload, device: torch.device, repeats: int = 5,
+                 kinds: Sequence[str] = ("embedding", "block", "head")) -> Dict[str, LayerTimes]:
+    """Seconds per micro-batch of the embedding, one block and the head with the loss (those of
+    ``kinds``), run as the engine runs them: forward without a graph; recompute with a graph and
+    backward, the gradients accumulating in place in views of one flat accumulator."""
     from ..models.gpt import Block, Embedding, GPTConfig, Head, lm_loss
     shape = workload.shape
     config = GPTConfig(vocab_size=shape.vocab, seq_len=shape.seq_len, hidden=shape.hidden,
@@ -263,9 +292,10 @@ def probe_layers(workload: Workload, device: torch.device, repeats: int = 5) -> 
     hidden = torch.randn(workload.micro_batch_size, shape.seq_len, shape.hidden, device=device, dtype=dtype)
     synchronize = getattr(torch, device.type).synchronize if device.type != "cpu" else (lambda: None)
     times = {}
-    for kind, module, layer_input in (("embedding", Embedding(config), tokens), ("block", Block(config), hidden),
-                                      ("head", Head(config), hidden)):
-        module = module.to(device=device, dtype=dtype)
+    for kind, build, layer_input in (("embedding", Embedding, tokens), ("block", Block, hidden), ("head", Head, hidden)):
+        if kind not in kinds:
+            continue
+        module = build(config).to(device=device, dtype=dtype)
         accumulator = torch.zeros(sum(p.numel() for p in module.parameters()), device=device, dtype=dtype)
         offset = 0
         for param in module.parameters():  # autograd adds each micro-batch's gradient into these views
@@ -298,7 +328,7 @@ def probe_sharing_cores(workload: Workload, device: torch.device, repeats: int =
     threads = torch.get_num_threads()
     if device.type != "cpu" or threads < 2:
         return None
-    block = lambda: probe_layers(workload, device, repeats)["block"].forward_backward_s  # noqa: E731
+    block = lambda: probe_layers(workload, device, repeats, kinds=("block",))["block"].forward_backward_s  # noqa: E731
     alone = block()
     torch.set_num_threads(threads - 1)
     try:
@@ -308,10 +338,44 @@ def probe_sharing_cores(workload: Workload, device: torch.device, repeats: int =
     return max(1.0, fewer / alone)
 
 
+# The largest working set (one layer's backward for one micro-batch) the probe times; larger micro-batch
+# sizes are predicted from FLOP/s (their timing alone would take minutes on a CPU).
+TIMED_WORKING_SET_BYTES = 1 << 30
+TIMED_BLOCK_BYTES = 2 << 30
+
+
+def timeable(workload: Workload) -> bool:
+    """Whether the probe times this workload's layers: one block's parameters and the largest layer's
+    working set (as this probe's plain softmax attention keeps it, with its scores) small enough to
+    build and run here in seconds."""
+    shape, tokens = workload.shape, workload.tokens_per_micro_batch
+    block = next(layer for layer in shape.layers if layer.kind == "block")
+    working_set = max(layer_working_set_bytes(layer, shape, tokens, workload.activation_bytes, keeps_scores=True)
+                      for layer in shape.layers)
+    return block.params * workload.param_bytes < TIMED_BLOCK_BYTES and working_set <= TIMED_WORKING_SET_BYTES
+
+
+def probe_more_workloads(workload: Workload, micro_batch_sizes: Sequence[int], device: torch.device,
+                         repeats: int = 5) -> Dict[str, WorkloadTimes]:
+    """The layers (and the shared-cores slow-down) at each further micro-batch size that ``timeable``
+    allows: compute key -> WorkloadTimes, for a sweep over micro-batch sizes (``plan --saturated``)."""
+    timed = {}
+    for size in sorted(set(micro_batch_sizes) - {workload.micro_batch_size}):
+        other = replace(workload, micro_batch_size=size)
+        if timeable(other):
+            timed[other.compute_key()] = WorkloadTimes(probe_layers(other, device, repeats),
+                                                       probe_sharing_cores(other, device, repeats))
+    return timed
+
+
 def probe_machine(nvme_path: str, ds_config: dict, workload: Optional[Workload] = None, quick: bool = False,
-                  device: Optional[torch.device] = None) -> Hardware:
+                  device: Optional[torch.device] = None, more_micro_batch_sizes: Sequence[int] = (),
+                  layer_repeats: Optional[int] = None) -> Hardware:
     """Everything the planner needs about this machine, as a Hardware; with a workload, its layers
-    are timed too, and the block's forward sets the effective FLOP/s used for other shapes."""
+    are timed too, and the block's forward sets the effective FLOP/s used for other shapes; with
+    ``more_micro_batch_sizes``, the layers at each of those too (``Hardware.timed_workloads``).
+    ``layer_repeats``: the layer timings' repeats (default 5, quick 3; each at least 0.02 s x repeats
+    of forward and 0.04 s x repeats of forward and backward)."""
     if not nvme_path or not os.path.isdir(nvme_path):
         raise PlannerError(f"the probe needs an existing folder on the SSD to measure, got {nvme_path!r}: set "
                            "zero_optimization.offload_param.nvme_path in ds_config (or --nvme-path)")
@@ -325,13 +389,16 @@ def probe_machine(nvme_path: str, ds_config: dict, workload: Optional[Workload] 
                                                 device_type=device.type)
     handoff = probe_grad_handoff(numel=(1 << 20) if quick else (1 << 22), device=device)
     link = probe_link(device, num_bytes=(64 if quick else 256) * MIB)
-    layer_times, key, flops, sharing = {}, "", None, None
+    zero_reduce = probe_zero_grad_reduce(device, numel=(1 << 22) if quick else (1 << 24))
+    layer_times, key, flops, sharing, more = {}, "", None, None, {}
     if workload is not None:
-        layer_times = probe_layers(workload, device, repeats=3 if quick else 5)
-        sharing = probe_sharing_cores(workload, device, repeats=3 if quick else 5)
+        repeats = layer_repeats or (3 if quick else 5)
+        layer_times = probe_layers(workload, device, repeats=repeats)
+        sharing = probe_sharing_cores(workload, device, repeats=repeats)
         key = workload.compute_key()
         block = next(layer for layer in workload.shape.layers if layer.kind == "block")
         flops = block.forward_flops_per_token * workload.tokens_per_micro_batch / layer_times["block"].forward_s
+        more = probe_more_workloads(workload, more_micro_batch_sizes, device, repeats)
     if flops is None:
         flops = _matmul_flops(device)
     return Hardware(name=f"probe of {os.uname().nodename}", source=f"ds_greedysnake.planner.probe at "
@@ -345,8 +412,9 @@ def probe_machine(nvme_path: str, ds_config: dict, workload: Optional[Workload] 
                     update_seconds_per_element=update_host, update_state_io_seconds_per_element=update_state_io,
                     compute_slowdown_sharing_cores=sharing,
                     device_flops_per_s=flops, host_device_bytes_per_s=link, grad_handoff_elements_per_s=handoff,
+                    zero_grad_reduce_elements_per_s=zero_reduce,
                     host_memory_bytes=_host_memory(),
-                    layer_times=layer_times, layer_times_for=key,
+                    layer_times=layer_times, layer_times_for=key, timed_workloads=more,
                     notes=f"aio {deepspeed_compat.aio_settings(ds_config)}; SSD folder {nvme_path}")
 
 

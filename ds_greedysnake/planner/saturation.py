@@ -125,11 +125,14 @@ def sweep_splits(num_layers: int, ideal: bool) -> List:
 def sweep(request: SweepRequest) -> Dict[str, Saturation]:
     """engine -> its saturation over every configuration that fits ("greedysnake", "zero_infinity")."""
     shape, ranks = request.shape, request.ranks
-    rank_shape, rank_hardware = sharded_shape(shape, ranks), per_rank_hardware(request.hardware, ranks)
+    rank_shape = sharded_shape(shape, ranks)
     budget = request.host_budget_bytes / ranks
     found = {engine: [] for engine in request.engines}
     refused = {engine: [] for engine in request.engines}
     for size in sorted(set(request.micro_batch_sizes)):
+        # The layer times the probe measured at this micro-batch size, when it timed it.
+        key = Workload(shape, size, 1, request.dtype_bytes, request.dtype_bytes).compute_key()
+        rank_hardware = per_rank_hardware(request.hardware.for_workload(key), ranks)
         for m in sorted(set(request.micro_batches)):
             full = Workload(shape, size, m, request.dtype_bytes, request.dtype_bytes)
             workload = Workload(rank_shape, size, m, request.dtype_bytes, request.dtype_bytes)

@@ -151,3 +151,13 @@ def test_trace_without_a_traced_run_is_refused_before_anything_runs(tmp_path):
     assert completed.returncode != 0
     assert "--trace" in completed.stderr and "1 to --ranks" in completed.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_trace_with_no_floors_is_refused_before_anything_runs(tmp_path):
+    """The trace is written from the floors' recording: --no-floors would leave --trace with no file."""
+    completed = subprocess.run([sys.executable, SCRIPT, "--configs", "ssd_bound", "--no-floors", "--trace",
+                                str(tmp_path / "step.json"), "--out-dir", str(tmp_path / "out")],
+                               cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert completed.returncode != 0
+    assert "--trace" in completed.stderr and "--no-floors" in completed.stderr
+    assert not (tmp_path / "out").exists()

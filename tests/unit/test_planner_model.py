@@ -214,3 +214,24 @@ def test_gradient_slots_follow_the_engines_arena():
     tight = best_plan_for(workload, machine(), host_bytes(workload).const + total / 2, HorizontalSettings())
     assert 0 < tight.shares["grad"] + tight.shares["act"]
     assert tight.greedysnake_block()["gradient_host_memory_mb"] * MIB <= tight.shares["grad"] * total + MIB
+
+
+def test_zero3_gradient_reduction_of_every_micro_batch_costs_compute_where_the_device_is_the_host():
+    """On the CPU accelerator ZeRO-3 flattens, reduce-scatters and accumulates each micro-batch's gradient in
+    the compute lane (a profile of ab_bench's ZeRO-Infinity step); on a GPU its link lane carries that."""
+    import torch
+    from ds_greedysnake.planner.probe import probe_zero_grad_reduce
+    shape = GPTShape("tiny", num_blocks=2, hidden=64, heads=2, vocab=300, seq_len=32)
+    workload = Workload(shape, 2, 4, 4, 4)
+    settings = HorizontalSettings(prefetch=False, reuse_recompute_fetch=False)
+    seconds = lambda hardware: evaluate("ZeRO-Infinity", horizontal_phases(workload, hardware, settings),  # noqa: E731
+                                        workload, {}).seconds
+    rate = 1e8
+    without, host = seconds(machine()), seconds(machine(zero_grad_reduce_elements_per_s=rate))
+    # Every layer's gradient, once per micro-batch (the compute lane binds: no prefetch, no link).
+    assert host - without == pytest.approx(workload.micro_batches * shape.params / rate, rel=1e-9)
+    on_gpu = dict(host_device_bytes_per_s=1e10)
+    assert seconds(machine(zero_grad_reduce_elements_per_s=rate, **on_gpu)) == pytest.approx(seconds(machine(**on_gpu)))
+    measured = probe_zero_grad_reduce(torch.device("cpu"), numel=1 << 16, repeats=2)
+    assert measured is not None and measured > 0
+    assert probe_zero_grad_reduce(torch.device("meta"), numel=1 << 16) is None

@@ -292,3 +292,51 @@ def test_the_working_set_estimate_matches_what_autograd_keeps_for_the_built_gpt(
     head_saved = saved_bytes(lambda: lm_loss(model[2](hidden), labels))
     head_estimate = layer_working_set_bytes(shape.layers[2], shape, tokens, dtype_bytes, keeps_scores=False)
     assert 4 * tokens * shape.vocab <= head_saved < head_estimate  # at least the fp32 log-softmax kept
+
+
+def test_the_sweep_predicts_each_micro_batch_size_from_the_layer_times_the_probe_measured_for_it(tmp_path):
+    """``plan --saturated`` on the probe: the probe times the layers at every micro-batch size of the
+    sweep (``Hardware.timed_workloads``); each size's predictions use its own times, the others FLOP/s."""
+    from ds_greedysnake.planner.hardware import LayerTimes, WorkloadTimes, save_hardware
+    shape = GPTShape("tiny", num_blocks=2, hidden=64, heads=2, vocab=300, seq_len=32)
+    key = lambda size: Workload(shape, size, 1, 4, 4).compute_key()  # noqa: E731
+    slow = {kind: LayerTimes(1.0, 3.0) for kind in ("embedding", "block", "head")}
+    plain = machine(device_memory_bytes=None, host_device_bytes_per_s=None)
+    timed = machine(device_memory_bytes=None, host_device_bytes_per_s=None,
+                    layer_times={kind: LayerTimes(0.5, 1.5) for kind in slow}, layer_times_for=key(1),
+                    timed_workloads={key(4): WorkloadTimes(slow, 1.5)})
+    request = lambda hardware: SweepRequest(shape, hardware, GIB, micro_batch_sizes=[1, 2, 4],  # noqa: E731
+                                            micro_batches=[1, 8], dtype_bytes=4, splits=[0])
+    by_config = lambda found: {(p.engine, p.micro_batch_size, p.micro_batches): p.seconds  # noqa: E731
+                               for saturation in found.values() for p in saturation.points}
+    with_times, from_flops = by_config(sweep(request(timed))), by_config(sweep(request(plain)))
+    for (engine, size, m), seconds in with_times.items():
+        if size == 2:   # not timed: FLOP/s, as without any times
+            assert seconds == pytest.approx(from_flops[engine, size, m])
+        else:           # timed: at least M micro-batches of the measured block, forward and backward
+            assert seconds >= m * len(shape.layers) * (0.5 if size == 1 else 1.0), (engine, size, m)
+    assert with_times["greedysnake", 4, 8] > 1.8 * with_times["greedysnake", 1, 8]
+    # The timed workloads survive a hardware file, and a workload the probe did not time is left alone.
+    save_hardware(timed, str(tmp_path / "probe.json"))
+    loaded = load_hardware(str(tmp_path / "probe.json"))
+    assert loaded.timed_workloads == timed.timed_workloads
+    four = loaded.for_workload(key(4))
+    assert four.layer_times == slow and four.layer_times_for == key(4) and four.compute_slowdown_sharing_cores == 1.5
+    assert loaded.for_workload(key(2)) is loaded and loaded.for_workload(key(1)) is loaded
+    with pytest.raises(PlannerError, match="timed_workloads"):
+        hardware_from_dict(dict(timed.to_dict(), timed_workloads={key(4): {"layer_times": {"block": {"x": 1}}}}))
+
+
+def test_the_probe_times_each_further_micro_batch_size_it_can_build_and_no_other():
+    import torch
+    from ds_greedysnake.planner.probe import probe_more_workloads, timeable
+    shape = GPTShape("tiny", num_blocks=1, hidden=32, heads=2, vocab=64, seq_len=8)
+    workload = Workload(shape, 1, 1, 4, 4)
+    timed = probe_more_workloads(workload, [1, 2, 3], torch.device("cpu"), repeats=3)
+    assert sorted(timed) == sorted(Workload(shape, size, 1, 4, 4).compute_key() for size in (2, 3))
+    for times in timed.values():
+        assert set(times.layer_times) == {"embedding", "block", "head"}
+        assert all(t.forward_s > 0 and t.forward_backward_s > 0 for t in times.layer_times.values())
+    # A working set of several GiB (GPT-65B's head at 64 x 2048 tokens) is not built: FLOP/s instead.
+    assert not timeable(Workload(named_shape("gpt-65b"), 64, 1, 2, 2))
+    assert timeable(workload)
