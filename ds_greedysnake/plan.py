@@ -98,14 +98,13 @@ def _hardware(args, ds_config: dict, shape):
     if args.hardware != "probe":
         return load_hardware(args.hardware)
     from .planner.probe import probe_machine, timeable  # imports torch and DeepSpeed's ops: only when probing
-    from .planner.saturation import DEFAULT_MICRO_BATCH_SIZES
     offload = (ds_config.get("zero_optimization") or {}).get("offload_param") or {}
     nvme_path = args.nvme_path or offload.get("nvme_path")
     workload = workload_from_config(ds_config, shape)
     # Time the layers where they fit easily in memory (every micro-batch size of a --saturated sweep);
     # otherwise fall back to FLOP/s.
     timed = workload if timeable(workload) else None
-    sizes = (args.micro_batch_sizes or DEFAULT_MICRO_BATCH_SIZES) if args.saturated else ()
+    sizes = _sweep_sizes(args) if args.saturated else ()
     hardware = probe_machine(nvme_path, ds_config, timed, more_micro_batch_sizes=sizes,
                              layer_repeats=SATURATED_LAYER_REPEATS if args.saturated else None)
     if args.save_hardware:
@@ -160,7 +159,7 @@ def _describe(plans, hardware, shape, workload, budget, request) -> str:
 def _sweep_saturated(args, ds_config: dict, request: PlanRequest) -> dict:
     from .planner.cost_model import HorizontalSettings
     from .planner.engine_model import EngineSettings
-    from .planner.saturation import DEFAULT_MICRO_BATCH_SIZES, DEFAULT_SWEEP_MICRO_BATCHES, SweepRequest, sweep
+    from .planner.saturation import DEFAULT_SWEEP_MICRO_BATCHES, SweepRequest, sweep
     width = workload_from_config(ds_config, request.shape).param_bytes
     block = ds_config.get("greedysnake") or {}
     depth = int(block.get("prefetch_depth", 1)) if block.get("prefetch", True) else 1
@@ -168,9 +167,15 @@ def _sweep_saturated(args, ds_config: dict, request: PlanRequest) -> dict:
         request.shape, request.hardware, budget_bytes(request),
         zero_settings=HorizontalSettings.from_ds_config(ds_config, recompute=request.zero_recompute),
         engine_settings=EngineSettings.from_ds_config(ds_config),
-        micro_batch_sizes=args.micro_batch_sizes or DEFAULT_MICRO_BATCH_SIZES,
+        micro_batch_sizes=_sweep_sizes(args),
         micro_batches=args.micro_batches or DEFAULT_SWEEP_MICRO_BATCHES, ranks=args.ranks, dtype_bytes=width,
         ideal=request.ideal, prefetch_depth=depth))
+
+
+def _sweep_sizes(args):
+    """The micro-batch sizes ``--saturated`` sweeps (and its probe times)."""
+    from .planner.saturation import DEFAULT_MICRO_BATCH_SIZES
+    return args.micro_batch_sizes or DEFAULT_MICRO_BATCH_SIZES
 
 
 def _saturated_json(shape, hardware, saturations: dict) -> dict:

@@ -114,19 +114,24 @@ def print_assumptions(hardware) -> None:
         print(f"- {key} = {value} [{entry['source']}]: {entry['note']}")
 
 
+def default_split_ratios(hardware, budget, model: str, ranks: int) -> dict:
+    """``ratios`` of one setting with greedysnake's engine at its default split only (no ideal model)."""
+    from ds_greedysnake.schedule import default_deferred_layers
+    split = default_deferred_layers(len(named_shape(model).layers))
+    return ratios(project(hardware, model, ranks, budget, with_ideal=False, splits=[split]))
+
+
 def sensitivity(hardware, budget) -> list:
     """Per assumption and factor, the engine's ratio over both ZeRO-Infinity variants, per setting; the
     engine's default split only (the plateau moved by under 1.3% against four splits here), to keep
     the 30 sweeps within minutes."""
-    from ds_greedysnake.schedule import default_deferred_layers
     table = []
     for name, fields in [("(as assumed)", ())] + list(SENSITIVITY.items()):
         for factor in (FACTORS if fields else (1.0,)):
             moved = scaled(hardware, fields, factor)
-            entry = {"assumption": name, "factor": factor, "ratios": {}}
-            for label, model, ranks, _ in SETTINGS:
-                split = default_deferred_layers(len(named_shape(model).layers))
-                entry["ratios"][label] = ratios(project(moved, model, ranks, budget, with_ideal=False, splits=[split]))
+            entry = {"assumption": name, "factor": factor,
+                     "ratios": {label: default_split_ratios(moved, budget, model, ranks)
+                                for label, model, ranks, _ in SETTINGS}}
             table.append(entry)
             print(f"  sensitivity: {name} x{factor} done", file=sys.stderr, flush=True)
     return table
@@ -140,14 +145,12 @@ EXPLAIN_BISECTIONS = 3
 def engine_ratios_at(hardware, budget, fields, factor, model: str, ranks: int) -> dict:
     """The engine's saturated ratio over each ZeRO-Infinity variant with ``fields`` scaled by ``factor``
     (the engine's default split only, as the sensitivity table)."""
-    from ds_greedysnake.schedule import default_deferred_layers
     from ds_greedysnake.planner.errors import PlannerError
-    split = default_deferred_layers(len(named_shape(model).layers))
     try:
-        found = project(scaled(hardware, fields, factor), model, ranks, budget, with_ideal=False, splits=[split])
+        found = default_split_ratios(scaled(hardware, fields, factor), budget, model, ranks)
     except PlannerError:  # an engine fits no configuration there (device memory too small): no ratio
         return {variant: None for variant in ZERO_VARIANTS}
-    return {variant: ratios(found)[f"engine_over_{variant}"] for variant in ZERO_VARIANTS}
+    return {variant: found[f"engine_over_{variant}"] for variant in ZERO_VARIANTS}
 
 
 def break_even(evaluate, grid: dict, paper: float, variant: str):
