@@ -77,7 +77,9 @@ class Executor:
         # The next step updates layers in this same order: its first state reads can start now.
         self.optimizer.announce_update_order([op.layer for op in self.schedule(num_micro_batches)
                                               if op.kind == OpKind.UPDATE])
-        ordered_losses = [float(losses[index]) for index in range(num_micro_batches)]
+        # One read of the host for every micro-batch's loss, not one each.
+        ordered_losses = self.layers[0].transfers.read_values(torch.stack([losses[index].float()
+                                                                            for index in range(num_micro_batches)]))
         return StepResult(ordered_losses, decision, dict(seconds))
 
     def _run_schedule(self, micro_batches, losses, output_grads, seconds) -> StepDecision:
@@ -114,6 +116,8 @@ class Executor:
         try:
             for layer in self.layers:
                 layer.fetch()
+                if self.prefetch and layer.index < last:
+                    self.layers[layer.index + 1].prefetch()  # its read runs while this layer computes
                 for index, (inputs, labels) in enumerate(micro_batches):
                     output = layer.module(inputs if layer.index == 0 else self.activations.take(layer.index, index))
                     if layer.index == last:
@@ -125,7 +129,7 @@ class Executor:
             self._abandon_step()
             raise
         self.activations.clear()
-        return [float(loss) for loss in losses]
+        return self.layers[0].transfers.read_values(torch.stack([loss.float() for loss in losses])) if losses else []
 
     def _abandon_step(self) -> None:
         """After a failure mid-step: no SSD read left in flight (an aio handle destroyed with pending

@@ -35,7 +35,7 @@ import copy
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
 import torch
 from deepspeed.utils import log_dist
@@ -49,7 +49,7 @@ from .parallel import DataParallel
 from .schedule import layers_updated_after_decision
 from .ssd import Region, SsdStore, padded_size
 from .ssd_layout import LayoutSettings, SsdLayout, check_free_space, describe, plan_layout
-from .transfers import Transfers
+from .transfers import Guard
 from .update_pipeline import STATE_PIECE_NUMEL, ReadAheadPiece, piece_ranges
 from .updates import (BufferSizes, InlineUpdater, ReplayTask, UpdateHandle, Updater, UpdateTask, WorkerUpdater,
                       plan_write)
@@ -121,13 +121,27 @@ def adam_settings(ds_optimizer: Dict[str, Any]) -> Tuple[AdamHyperparameters, bo
 
 
 def squared_norm(values: torch.Tensor, row_width: int = 1024) -> float:
+    """``squared_norm_tensor`` read back as a float (a wait for the device where ``values`` lives there)."""
+    return float(squared_norm_tensor(values, row_width))
+
+
+def squared_norm_tensor(values: torch.Tensor, row_width: int = 1024) -> torch.Tensor:
     """Sum of squares to fp32 precision (~1e-7 relative, as PyTorch's and DeepSpeed's fp32 norms), at
-    memory speed: fp32 norms of short rows, summed in fp64. A flat fp32 norm of millions of elements
-    was 1e-3 off here; converting everything to fp64 first took 10x longer."""
+    memory speed: fp32 norms of short rows, summed in fp64; an fp64 scalar where ``values`` lives, so that
+    the device computes it with no wait of the host. A flat fp32 norm of millions of elements was 1e-3 off
+    here; converting everything to fp64 first took 10x longer."""
     flat = values.reshape(-1)
     whole = flat.numel() // row_width * row_width
     total = torch.linalg.vector_norm(flat[:whole].view(-1, row_width), dim=1).double().pow(2).sum()
-    return float(total + flat[whole:].double().pow(2).sum())
+    return total + flat[whole:].double().pow(2).sum()
+
+
+@dataclass
+class _HandOver:
+    """A layer's gradient on its way to host memory: its copy enqueued, not yet waited for."""
+    layer: LayerOwner
+    copied: Guard
+    on_ssd: bool       # written to SSD from the staging buffer once copied
 
 
 class LayerwiseAdam(torch.optim.Optimizer):
@@ -164,7 +178,9 @@ class LayerwiseAdam(torch.optim.Optimizer):
         self._state_regions: Dict[int, List[List[Region]]] = {}  # layers whose states are on SSD: slots of pieces
         self._state_slot: List[int] = [0] * len(layers)
         self._grad_regions: Dict[int, Region] = {}  # layers whose gradient goes through SSD
-        self._grad_sq_norms: List[Optional[float]] = self._no_norms()
+        # Each layer's squared gradient norm of this step, where the gradient is (read once, at the decision).
+        self._grad_sq_norms: List[Optional[Union[float, torch.Tensor]]] = self._no_norms()
+        self._hand_overs: Dict[int, _HandOver] = {}  # gradients copied out, not yet waited for
         self._speculative: Dict[int, Tuple[UpdateHandle, int, int]] = {}
         self._gradient_over_weights: Set[int] = set()  # one-slot layers whose file holds this step's gradient
         self._next_task_id = 0
@@ -238,25 +254,38 @@ class LayerwiseAdam(torch.optim.Optimizer):
 
     def receive_gradient(self, layer: LayerOwner, grads: torch.Tensor) -> None:
         """Take this rank's shard of a layer's gradient for this step (once per step): into the layer's
-        shared host slot, or to SSD."""
+        shared host slot, or to SSD.
+
+        Off the CPU accelerator the copy goes on a transfer stream into registered memory and its squared
+        norm is taken on the device; neither is waited for here, which would idle the device while the host
+        enqueues the next layer. The copy is waited for (and an SSD gradient written) when the next layer's
+        gradient arrives, before this layer's update is submitted, or at the step's decision: by then the
+        next layer's backward is queued on the device, which keeps working while the host waits."""
+        self._complete_hand_overs()  # the staging buffer of SSD gradients is free again
         on_host = self.host.gradients.holds(layer.index)
         if on_host:
             host_grads = self.host.gradients.slot(layer.index, layer.shard_numel)
         else:
             # On SSD in the accumulation dtype: under bf16 accumulation the update's fp32 cast of it is exact.
             host_grads = self._grad_buffer[:self.layout.layers[layer.index].gradient_bytes].view(self._gradient_dtype)
-        # Off the CPU accelerator: on a transfer stream, into registered memory, while the norm is taken
-        # on the device; the worker or the SSD write reads the slot once the copy completed.
-        copied = Transfers.for_device(grads.device).to_host(grads, host_grads)
-        self._grad_sq_norms[layer.index] = squared_norm(grads)
-        copied.wait()
-        if not on_host:
-            if self.layout.layers[layer.index].gradient_in_parameter_file:
-                # Over the layer's weights on SSD: read by nobody until its update (or a recast) writes new
-                # ones, since this step reads the layer no more (its backward is done).
-                layer.weights_hold_gradient = True
-                self._gradient_over_weights.add(layer.index)
-            self._store.write(self._grad_regions[layer.index], self._grad_buffer)
+        copied = layer.transfers.to_host(grads, host_grads)
+        self._grad_sq_norms[layer.index] = squared_norm_tensor(grads)
+        self._hand_overs[layer.index] = _HandOver(layer, copied, not on_host)
+
+    def _complete_hand_overs(self, layer_index: Optional[int] = None) -> None:
+        """Wait for the gradient copies handed over (only ``layer_index``'s, when given) and write the SSD ones."""
+        indices = list(self._hand_overs) if layer_index is None else [layer_index] if layer_index in self._hand_overs else []
+        for index in indices:
+            hand_over = self._hand_overs.pop(index)
+            hand_over.copied.wait()
+            if hand_over.on_ssd:
+                layer = hand_over.layer
+                if self.layout.layers[index].gradient_in_parameter_file:
+                    # Over the layer's weights on SSD: read by nobody until its update (or a recast) writes new
+                    # ones, since this step reads the layer no more (its backward is done).
+                    layer.weights_hold_gradient = True
+                    self._gradient_over_weights.add(index)
+                self._store.write(self._grad_regions[index], self._grad_buffer)
 
     def provisional_decision(self) -> StepDecision:
         """What the decision will be if every gradient turns out finite (valid without clipping)."""
@@ -267,8 +296,9 @@ class LayerwiseAdam(torch.optim.Optimizer):
         """The global part: needs every layer's gradient of this step; resolves speculative updates."""
         missing = [index for index, value in enumerate(self._grad_sq_norms) if value is None]
         assert not missing, f"layers {missing} handed no gradient this step"
-        # Each rank holds a shard of every gradient: the squared norms add up over ranks.
-        norm = math.sqrt(self.parallel.sum(sum(self._grad_sq_norms)))
+        self._complete_hand_overs()
+        # Each rank holds a shard of every gradient: the squared norms add up over ranks (in layer order).
+        norm = math.sqrt(self.parallel.sum(sum(self._read_norms())))
         self._grad_sq_norms = self._no_norms()
         skipped = not math.isfinite(norm)
         coefficient = 1.0
@@ -288,6 +318,7 @@ class LayerwiseAdam(torch.optim.Optimizer):
 
     def update_layer(self, layer: LayerOwner, decision: StepDecision, speculative: bool) -> None:
         """Submit the per-layer part: Adam on the committed slot, results into the other slots (or in place)."""
+        self._complete_hand_overs(layer.index)  # the update reads the gradient from host memory or SSD
         if layer.in_place:
             # In place, no going back: only after the decision (which has checked every gradient for
             # non-finite values first), and with no read of the layer in flight.
@@ -352,6 +383,12 @@ class LayerwiseAdam(torch.optim.Optimizer):
         """A step failed before its decision: forget its gradients, discard its speculative updates, and
         give back the weights its gradients overwrote (every layer is released by now)."""
         self._grad_sq_norms = self._no_norms()
+        for hand_over in self._hand_overs.values():
+            try:
+                hand_over.copied.wait()  # no copy into host memory the next step reuses may be in flight
+            except Exception:
+                pass
+        self._hand_overs.clear()
         self._speculative.clear()
         for index in sorted(self._gradient_over_weights):
             try:
@@ -445,6 +482,16 @@ class LayerwiseAdam(torch.optim.Optimizer):
         """Each layer's squared gradient norm of a step not yet handed over: None, 0 for a layer with nothing
         to train (it hands none)."""
         return [None if layer.trainable else 0.0 for layer in self._layers]
+
+    def _read_norms(self) -> List[float]:
+        """Every layer's squared norm as a float: those on the device read back in one go (one wait)."""
+        on_device = [index for index, value in enumerate(self._grad_sq_norms) if isinstance(value, torch.Tensor)]
+        values = list(self._grad_sq_norms)
+        if on_device:
+            read = self._layers[on_device[0]].transfers.read_values(torch.stack([values[i] for i in on_device]))
+            for index, value in zip(on_device, read):
+                values[index] = value
+        return values
 
     def _commit(self, layer: LayerOwner, handle: UpdateHandle, state_slot: int, param_slot: int) -> None:
         # Readers wait on the handle before they read the slots committed here.

@@ -68,6 +68,11 @@ class AcceleratorStreams:
         """The caching allocator must not reuse ``tensor``'s memory before ``stream``'s work on it ran."""
         tensor.record_stream(stream)
 
+    @staticmethod
+    def read_values(tensor: torch.Tensor) -> list:
+        """The values of a small device tensor on the host: the host waits for the device's work so far."""
+        return tensor.tolist()
+
 
 class Guard:
     """Completion of one copy on a transfer stream. ``wait`` blocks the CPU until it ran (idempotent) and
@@ -115,6 +120,7 @@ class Transfers:
         # The last copy from or into each host buffer (by address): a copy in the other direction waits
         # for it on the device, so a buffer is never rewritten while read, nor read while written.
         self._last_copy: Dict[int, Guard] = {}
+        self._last_copy_pruned_at = _PRUNE_LAST_COPIES_FROM  # its size when completed guards were last dropped
 
     @classmethod
     def for_device(cls, device: torch.device) -> "Transfers":
@@ -127,6 +133,13 @@ class Transfers:
     @property
     def device_is_host(self) -> bool:
         return self._streams is None
+
+    def read_values(self, tensor: torch.Tensor) -> list:
+        """``tensor``'s values as Python numbers: one wait of the host for the device (the only kind of wait a
+        step makes outside guards), so callers gather what they need into one tensor and read it once."""
+        if self._streams is None:
+            return tensor.tolist()
+        return self._streams.read_values(tensor)
 
     def to_device(self, host: torch.Tensor) -> Tuple[torch.Tensor, Guard]:
         """A device copy of ``host``, which compute enqueued from now on waits for; the guard says when
@@ -144,7 +157,7 @@ class Transfers:
         compute.wait_event(copied)
         streams.keep_for(on_device, compute)
         guard = Guard(copied, host)
-        self._last_copy[host.data_ptr()] = guard
+        self._remember_last_copy(host, guard)
         return on_device, guard
 
     def to_host(self, on_device: torch.Tensor, host: torch.Tensor) -> Guard:
@@ -165,7 +178,7 @@ class Transfers:
             copied = streams.record(streams.outbound)
         guard = Guard(copied, on_device)
         self._pending_to_host.append(guard)
-        self._last_copy[host.data_ptr()] = guard
+        self._remember_last_copy(host, guard)
         return guard
 
     def host_copy(self, on_device: torch.Tensor, host: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Guard]:
@@ -182,8 +195,22 @@ class Transfers:
         if previous is not None:
             previous.order_before(stream)
 
+    def _remember_last_copy(self, host: torch.Tensor, guard: Guard) -> None:
+        """Each guard keeps its copy's source alive until polled: a host buffer that is never copied again
+        (a slot replaced after a shape change) would otherwise stay alive, and registered, for good. So once
+        the table doubled, the guards that completed are polled and dropped (without waiting for any)."""
+        self._last_copy[host.data_ptr()] = guard
+        if len(self._last_copy) >= 2 * self._last_copy_pruned_at:
+            self._last_copy = {address: kept for address, kept in self._last_copy.items() if not kept.done()}
+            self._last_copy_pruned_at = max(_PRUNE_LAST_COPIES_FROM, len(self._last_copy))
+
+    def pending_copies(self) -> int:
+        """How many host buffers a copy still in flight reads or writes (for tests and leaks)."""
+        return sum(1 for guard in self._last_copy.values() if not guard.done())
+
 
 _INSTANCES: Dict[str, Transfers] = {}
+_PRUNE_LAST_COPIES_FROM = 64
 
 
 # ----------------------------------------------------------------------------- registered host memory
@@ -235,9 +262,10 @@ def register_host_memory(address: int, num_bytes: int) -> Optional[Callable[[], 
     try:
         registered = accelerator.register_host_memory(address, num_bytes)
     except Exception as error:  # the runtime's own error type (torch.cuda.CudaError)
+        cleared = clear_runtime_error(accelerator)
         raise MemoryError(f"registering {num_bytes} bytes of host memory with the {accelerator.device_name()} runtime "
                           f"failed ({error}): raise the memlock limit (ulimit -l unlimited) or lower greedysnake's "
-                          "host-memory budgets") from error
+                          f"host-memory budgets{cleared}") from error
     if not registered:
         return None
 
@@ -245,6 +273,19 @@ def register_host_memory(address: int, num_bytes: int) -> Optional[Callable[[], 
         accelerator.unregister_host_memory(address)
 
     return unregister
+
+
+def clear_runtime_error(accelerator) -> str:
+    """Read back (and so clear) the error a failed registration left as the CUDA runtime's last error.
+
+    ``cudaHostRegister`` failing sets the runtime's last error; DeepSpeed's wrapper raises, but leaves it
+    set, and torch's check after the next kernel launch (``cudaGetLastError``) would then report it from
+    an unrelated kernel, failing a step that has nothing wrong. Reading it here ends that; the error itself
+    is what the caller raises (or falls back from). Returns a note for the message; "" off CUDA."""
+    if accelerator.device_name() != "cuda":
+        return ""
+    leftover = torch.cuda.cudart().cudaGetLastError()
+    return f" (runtime error {int(leftover)} read back and cleared)" if int(leftover) else ""
 
 
 def _fallback_pinned(num_bytes: int, alignment: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ from torch import nn
 
 from ds_greedysnake.activations import ActivationStore
 from ds_greedysnake.executor import Executor
+from ds_greedysnake.transfers import Transfers
 
 CPU = torch.device("cpu")
 
@@ -18,8 +19,12 @@ class StubLayer:
     def __init__(self, index, module):
         self.index, self.module, self.device = index, module, CPU
         self.trainable = True
+        self.transfers = Transfers(CPU)
 
     def fetch(self):
+        pass
+
+    def prefetch(self):
         pass
 
     def release(self):

@@ -315,3 +315,42 @@ def test_host_buffers_are_registered_at_their_size_and_unregistered_with_their_m
     del view
     gc.collect()
     assert accelerator.calls[-1] == ("unregister", address)
+
+
+def test_a_failed_registration_clears_the_runtime_error_it_left(monkeypatch):
+    """cudaHostRegister failing leaves the CUDA runtime's last error set; the next kernel launch's check would
+    report it from an unrelated place. The failure is read back (cleared) before the MemoryError is raised."""
+    read_back = []
+
+    class FailingCuda:
+        def device_name(self):
+            return "cuda"
+
+        def register_host_memory(self, address, num_bytes):
+            raise RuntimeError("CUDA error: invalid argument")
+
+    class Runtime:
+        def cudaGetLastError(self):
+            read_back.append(True)
+            return 1
+
+    monkeypatch.setattr(transfers, "get_accelerator", lambda: FailingCuda())
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime())
+    with pytest.raises(MemoryError, match="read back and cleared"):
+        transfers.register_host_memory(4096, 4096)
+    assert read_back == [True]
+
+
+def test_guards_of_buffers_never_copied_again_do_not_keep_them_alive():
+    streams = FakeStreams()
+    copies = Transfers(CPU, streams)
+    first = torch.empty(4)
+    alive = weakref.ref(first)
+    copies.to_device(first)
+    streams.inbound.recorded[-1].completed = True  # the device ran it; nobody polled its guard
+    del first
+    others = [torch.empty(4) for _ in range(2 * transfers._PRUNE_LAST_COPIES_FROM)]
+    for other in others:
+        copies.to_device(other)
+    gc.collect()
+    assert alive() is None

@@ -1,0 +1,125 @@
+"""How often the host waits on the device in one step: the engine's step run on the CPU through a recording
+double of the accelerator's streams. Reads of device values (losses, gradient norms) are two per step
+whatever the number of layers and micro-batches; waits on copy events are counted too (``event_waits``),
+and are not yet bounded (issue 30: the update's hand-over and the parameter pool still wait per layer).
+
+The double copies at once (so the results are the real ones) but models a device that runs behind the host:
+an event completes only once ``LAG`` later events have been recorded after it (the host has queued that much
+more work). A host wait on an event that has not completed (``Guard.wait`` on the latest work, the way a
+``float()`` of a fresh device scalar drains the queue) is counted, and so is every read of device values
+(``Transfers.read_values``). The step itself must still give the weights of the plain CPU path, bitwise."""
+import contextlib
+import os
+
+import pytest
+import torch
+
+from ds_greedysnake import transfers as transfers_module
+from ds_greedysnake.transfers import Transfers
+import ds_greedysnake
+from ds_greedysnake.models.gpt import GPTConfig, lm_loss
+from helpers import data, ds_config, fresh_model
+
+
+def make_engine(nvme_path, num_micro_batches, num_layers):
+    os.makedirs(nvme_path, exist_ok=True)
+    config = GPTConfig(vocab_size=256, seq_len=16, hidden=128, num_heads=4, num_layers=num_layers)
+    engine, _, _, _ = ds_greedysnake.initialize(model=fresh_model(config), config=ds_config(nvme_path, num_micro_batches),
+                                                loss_fn=lm_loss)
+    return engine, data(config)
+
+pytestmark = pytest.mark.slow
+
+LAG = 4  # events the device runs behind the host
+
+
+class LaggingEvent:
+    def __init__(self, device):
+        self._device = device
+        self.serial = None
+        self.completed = False
+
+    def record(self, stream):
+        self.serial = self._device.next_serial()
+
+    def query(self):
+        if not self.completed and self._device.serial - self.serial >= LAG:
+            self.completed = True
+        return self.completed
+
+    def synchronize(self):
+        if not self.query():
+            self._device.event_waits += 1
+            self.completed = True
+
+
+class LaggingStream:
+    def wait_event(self, event):
+        pass
+
+
+class RecordingDevice:
+    """AcceleratorStreams' interface over the CPU, counting the host's waits."""
+
+    def __init__(self):
+        self.serial = 0
+        self.host_waits = 0   # reads of device values
+        self.event_waits = 0  # waits on an event the lagging device has not reached
+        self.inbound, self.outbound, self.compute = LaggingStream(), LaggingStream(), LaggingStream()
+
+    def next_serial(self):
+        self.serial += 1
+        return self.serial
+
+    def current(self):
+        return self.compute
+
+    def on(self, stream):
+        return contextlib.nullcontext()
+
+    def record(self, stream):
+        event = LaggingEvent(self)
+        event.record(stream)
+        return event
+
+    def keep_for(self, tensor, stream):
+        pass
+
+    def read_values(self, tensor):
+        self.host_waits += 1
+        return tensor.tolist()
+
+
+def _waits_in_one_step(tmp_path, monkeypatch, num_layers, num_micro_batches):
+    device = RecordingDevice()
+    simulated = Transfers(torch.device("cpu"), device)
+    monkeypatch.setattr(Transfers, "for_device", classmethod(lambda cls, _device: simulated))
+    monkeypatch.setattr(transfers_module, "_INSTANCES", {})
+    engine, batches = make_engine(str(tmp_path / f"l{num_layers}_m{num_micro_batches}"), num_micro_batches, num_layers)
+    try:
+        engine.train_batch(batches)  # the first step sizes its buffers
+        before = device.host_waits
+        engine.train_batch(batches)
+        return device.host_waits - before, engine.master_parameters()
+    finally:
+        engine.close()
+
+
+def test_reads_of_device_values_per_step_do_not_grow_with_layers_or_micro_batches(tmp_path, monkeypatch):
+    counts = {(layers, micro): _waits_in_one_step(tmp_path, monkeypatch, layers, micro)[0]
+              for layers in (4, 8) for micro in (1, 8)}
+    assert set(counts.values()) == {2}, counts  # every micro-batch's loss in one read, every layer's norm in one
+
+
+def test_the_simulated_device_path_gives_the_cpu_path_weights(tmp_path, monkeypatch):
+    _, simulated = _waits_in_one_step(tmp_path, monkeypatch, 4, 2)
+    monkeypatch.undo()
+    engine, batches = make_engine(str(tmp_path / "plain"), 2, 4)
+    try:
+        for _ in range(2):
+            engine.train_batch(batches)
+        plain = engine.master_parameters()
+    finally:
+        engine.close()
+    for name, value in plain.items():
+        assert torch.equal(simulated[name], value), name
