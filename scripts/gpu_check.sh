@@ -3,13 +3,17 @@
 #
 #     scripts/gpu_check.sh [OUT_DIR]                  # default results/gpu_check/
 #     scripts/gpu_check.sh --cpu-dry-run [OUT_DIR]    # no GPU: the same stages on DeepSpeed's CPU accelerator
+#     scripts/gpu_check.sh [--cpu-dry-run] --wheelhouse DIR [OUT_DIR]
+#                                                     # offline: installs from DIR alone (scripts/gpu_wheelhouse.sh)
+#                                                     # into $GPU_CHECK_PYTHON (default python3), libaio from its .debs
 #
 # 1. Set-up, from a clean tree: a virtual environment (.venv_gpu, or $GPU_CHECK_PYTHON's), a CUDA build of
 #    torch ($TORCH_SPEC, default torch==2.13.0: PyPI's Linux wheel is the CUDA one; $PIP_OPTIONS for an
 #    offline wheelhouse, e.g. "--no-index --find-links /wheels"), this package, and DeepSpeed's native ops
 #    built for both accelerators (the GPU build of async_io needs a CUDA toolkit: nvcc and headers, found
-#    through CUDA_HOME; the optimizer worker's CPU build goes to its own folder). Not timed.
-# 2. Then, within CHECK_SECONDS (default 480) in all, each stage under its own timeout:
+#    through CUDA_HOME; the optimizer worker's CPU build goes to its own folder: scripts/native_ops.py build).
+# 2. Then, within CHECK_SECONDS (default 300) from the script's start, set-up included, each stage under its
+#    own timeout:
 #    fp32 and bf16 parity against plain PyTorch on the GPU; the one-rank A/B of ssd_bound at M=1 and 8
 #    against ZeRO-Infinity (scripts/ab_bench.py); a profile of one step (the share of each layer's
 #    host-to-device copy hidden under compute); with the time left, the LoRA row at M=8 (its step against
