@@ -16,7 +16,8 @@ import resource
 import sys
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, Optional
+from types import ModuleType
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 import deepspeed
@@ -32,7 +33,7 @@ from deepspeed.runtime.swap_tensor.aio_config import get_aio_config
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.utils import groups, logger
 
-from . import build_locks
+from . import build_locks, prebuilt_ops
 
 CHECKED_DEEPSPEED_VERSION = "0.19.8"
 
@@ -48,6 +49,7 @@ _RELIED_ON = [
     (DeepSpeedCPUAdam, "optimizer_id"),
     (partitioned_param_swapper, "swap_in_tensors"),
     (OpBuilder, "jit_load"),
+    (OpBuilder, "load"),
     (ds_constants, "GRADIENT_CLIPPING_DEFAULT"),
 ]
 
@@ -260,15 +262,77 @@ class NativeOpNotPrebuiltError(RuntimeError):
     """DeepSpeed would compile an op at run time, and REQUIRE_PREBUILT_OPS_ENV forbids it."""
 
 
+# The ops the optimizer worker loads (updates.worker_main), on DeepSpeed's CPU accelerator whatever trains.
+WORKER_OPS = ("pin_memory", "async_io", "cpu_adam")
+WORKER_ACCELERATOR = "cpu"
+
+
+def build_command(accelerator: str) -> str:
+    """The set-up command that builds the ops for ``accelerator`` where DeepSpeed's install has none for it."""
+    return f"python scripts/native_ops.py build --accelerator {accelerator}"
+
+
+def current_accelerator() -> str:
+    """The name DeepSpeed records an install under and compares at load: "cpu", "cuda", ..."""
+    return get_accelerator()._name
+
+
+def _installed_for(accelerator: str) -> Set[str]:
+    """The ops compiled into the installed DeepSpeed that its load() imports under ``accelerator``."""
+    from deepspeed.git_version_info import accelerator_name, installed_ops
+    return {name for name, built in installed_ops.items() if built} if accelerator_name == accelerator else set()
+
+
+def set_up_op(name: str, accelerator: str) -> Tuple[Optional[prebuilt_ops.BuiltOp], str]:
+    """Op ``name`` as set-up built it for ``accelerator`` (prebuilt_ops), or None and why not."""
+    op = prebuilt_ops.read(accelerator, name)
+    if op is None:
+        return None, f"set-up built none in {prebuilt_ops.folder(accelerator)}"
+    mismatch = op.mismatch(deepspeed.__version__, torch.__version__)
+    return (None, mismatch) if mismatch else (op, "")
+
+
 def native_ops_status() -> Dict[str, bool]:
-    """Each op of NATIVE_OPS this accelerator has, and whether it is compiled into the installed DeepSpeed.
+    """Each op of NATIVE_OPS this accelerator has, and whether it loads without compiling.
 
     DeepSpeed loads a prebuilt op only when its install recorded it (``DS_BUILD_<OP>=1`` at install)
-    for the accelerator running now; otherwise it JIT-compiles the op into TORCH_EXTENSIONS_DIR."""
-    from deepspeed.git_version_info import accelerator_name, installed_ops
+    for the accelerator running now; otherwise it JIT-compiles the op into TORCH_EXTENSIONS_DIR, unless
+    set-up built it for this accelerator (``prebuilt_ops``: the worker's CPU ops beside a GPU install)."""
     from deepspeed.ops.op_builder.all_ops import ALL_OPS
-    same_accelerator = accelerator_name == get_accelerator()._name
-    return {name: bool(installed_ops.get(name)) and same_accelerator for name in NATIVE_OPS if name in ALL_OPS}
+    accelerator = current_accelerator()
+    installed = _installed_for(accelerator)
+    return {name: name in installed or set_up_op(name, accelerator)[0] is not None
+            for name in NATIVE_OPS if name in ALL_OPS}
+
+
+def missing_worker_ops() -> Dict[str, str]:
+    """The ops the optimizer worker would have to compile (op -> why), checked from any process: neither
+    compiled into DeepSpeed's install for the CPU accelerator nor built by set-up for it."""
+    installed = _installed_for(WORKER_ACCELERATOR)
+    missing = {}
+    for name in WORKER_OPS:
+        if name not in installed:
+            op, why = set_up_op(name, WORKER_ACCELERATOR)
+            if op is None:
+                missing[name] = why
+    return missing
+
+
+def check_worker_ops() -> None:
+    """Raises NativeOpNotPrebuiltError, naming the set-up command, if the worker would compile an op.
+
+    Training on a GPU, the worker runs on DeepSpeed's CPU accelerator, and DeepSpeed's install (made
+    under the GPU's) has no op for it: it would compile cpu_adam and async_io at its first start (g++,
+    ninja, libaio, minutes of every core, against the worker's start timeout)."""
+    missing = missing_worker_ops()
+    if missing:
+        from deepspeed.git_version_info import accelerator_name
+        reasons = "; ".join(f"{name}: {why}" for name, why in missing.items())
+        raise NativeOpNotPrebuiltError(
+            f"the greedysnake optimizer worker runs on DeepSpeed's CPU accelerator, and DeepSpeed was installed "
+            f"for {accelerator_name or 'no accelerator'}: its ops {', '.join(missing)} are not prebuilt for the CPU "
+            f"accelerator ({reasons}). Run `{build_command(WORKER_ACCELERATOR)}` (`{SETUP_COMMAND}` does) to build "
+            f"them once into {prebuilt_ops.folder(WORKER_ACCELERATOR)}")
 
 
 def native_op_compatible(name: str, verbose: bool = False) -> bool:
@@ -293,7 +357,9 @@ def _reported_jit_load(jit_load):
             raise NativeOpNotPrebuiltError(
                 f"DeepSpeed's {builder.name} op is not prebuilt in {os.path.dirname(deepspeed.__file__)} and "
                 f"{REQUIRE_PREBUILT_OPS_ENV}=1 forbids compiling it at run time: run `{SETUP_COMMAND}` (it installs "
-                f"DeepSpeed with its native ops compiled in), or unset {REQUIRE_PREBUILT_OPS_ENV} to compile it now")
+                f"DeepSpeed with its native ops compiled in; where the install was made for another accelerator, "
+                f"`{build_command(current_accelerator())}` builds them into "
+                f"{prebuilt_ops.folder(current_accelerator())}), or unset {REQUIRE_PREBUILT_OPS_ENV} to compile it now")
         build_folder = os.path.join(build_locks.extensions_root(), builder.name)
         logger.warning(f"ds_greedysnake: DeepSpeed's {builder.name} op is not prebuilt in this install: DeepSpeed "
                        f"builds it at run time in {build_folder} (minutes of every core the first time, and again "
@@ -307,12 +373,79 @@ def _reported_jit_load(jit_load):
     return reported
 
 
+# Ops imported from set-up's folder, by name (one accelerator per process, as DeepSpeed's own cache).
+_SET_UP_MODULES: Dict[str, ModuleType] = {}
+
+
+def _set_up_module(name: str) -> Optional[ModuleType]:
+    """Op ``name`` from the ops set-up built for this accelerator, where DeepSpeed's install has none for it."""
+    if name in _SET_UP_MODULES:
+        return _SET_UP_MODULES[name]
+    accelerator = current_accelerator()
+    if name in _installed_for(accelerator):
+        return None  # DeepSpeed's own import
+    op, _ = set_up_op(name, accelerator)
+    if op is None:
+        return None
+    _SET_UP_MODULES[name] = module = prebuilt_ops.import_built(op)
+    return module
+
+
+def _set_up_aware_load(load):
+    """DeepSpeed's OpBuilder.load (the installed op if made for this accelerator, else jit_load), looking
+    first at the ops set-up built for this accelerator. Every load goes through it, DeepSpeed's own too
+    (DeepSpeedCPUAdam, the swapper's aio handles): AsyncIOBuilder and PinMemoryBuilder reach it by super()."""
+
+    @functools.wraps(load)
+    def set_up_aware(builder, verbose=False):
+        module = _set_up_module(builder.name)
+        return module if module is not None else load(builder, verbose)
+
+    set_up_aware.ds_greedysnake_set_up_aware = True
+    return set_up_aware
+
+
 def _report_jit_builds() -> None:
     if not getattr(OpBuilder.jit_load, "ds_greedysnake_reported", False):
         OpBuilder.jit_load = _reported_jit_load(OpBuilder.jit_load)
+    if not getattr(OpBuilder.load, "ds_greedysnake_set_up_aware", False):
+        OpBuilder.load = _set_up_aware_load(OpBuilder.load)
 
 
 _report_jit_builds()
+
+
+def build_for_set_up(names: Sequence[str]) -> List[prebuilt_ops.BuiltOp]:
+    """Compiles ops ``names`` for the accelerator running now with DeepSpeed's own JIT build (its files and
+    flags, as at run time) into ``prebuilt_ops.folder``, and records each; torch's build skips an op whose
+    sources and flags did not change. For set-up only (scripts/native_ops.py build)."""
+    accelerator = current_accelerator()
+    target = prebuilt_ops.folder(accelerator)
+    jit_load = getattr(OpBuilder.jit_load, "__wrapped__", OpBuilder.jit_load)  # not the run-time warning
+    saved = os.environ.get("TORCH_EXTENSIONS_DIR")
+    os.environ["TORCH_EXTENSIONS_DIR"] = target  # torch reads it at each build
+    built = []
+    try:
+        for name in names:
+            if name == "async_io":  # it resolves pin_memory's symbols at import: that one first, made global
+                load_native_op("pin_memory")
+            builder = get_accelerator().create_op_builder(_BUILDERS[name])
+            build_locks.wait_until_free(os.path.join(target, name, build_locks.LOCK_NAME),
+                                        lambda line: logger.warning(f"ds_greedysnake: {line}"))
+            module = jit_load(builder, False)
+            op = prebuilt_ops.BuiltOp(name=name, module=module.__name__, file=os.path.abspath(module.__file__),
+                                      deepspeed=deepspeed.__version__, torch=torch.__version__,
+                                      python=sys.implementation.cache_tag)
+            prebuilt_ops.record(accelerator, op)
+            _SET_UP_MODULES[name] = module
+            built.append(op)
+    finally:
+        if saved is None:
+            os.environ.pop("TORCH_EXTENSIONS_DIR", None)
+        else:
+            os.environ["TORCH_EXTENSIONS_DIR"] = saved
+    return built
+
 
 _FLAVOUR_LINE = re.compile(r"is created with (\S+) arithmetic capability")
 

@@ -21,6 +21,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 
+from . import deepspeed_compat
 from .deepspeed_compat import AdamHyperparameters, CpuAdamKernel
 from .host_memory import SharedHostMemory
 from .io_trace import RESULT_PIPE, TASK_PIPE, TRAIN, WORKER, IoEvent, IoRecorder
@@ -241,25 +242,26 @@ class InlineUpdater(Updater):
 # Without them it would detect CUDA, and its first pinned buffer would create a CUDA context on GPU 0 for
 # every rank (0.3-0.5 GB each; an error under the EXCLUSIVE_PROCESS compute mode). With DeepSpeed's CPU
 # accelerator its buffers are locked by its aio handle (mlock), never pinned through torch.
-WORKER_EXTENSIONS_FOLDER = "greedysnake_worker_cpu"
 WORKER_HIDDEN_ACCELERATORS = {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "", "ROCR_VISIBLE_DEVICES": "",
-                              "DS_ACCELERATOR": "cpu"}
+                              "DS_ACCELERATOR": deepspeed_compat.WORKER_ACCELERATOR}
+
+
+def _device_type(device_type: Optional[str]) -> str:
+    if device_type is None:
+        from deepspeed.accelerator import get_accelerator
+        device_type = get_accelerator().device_name()
+    return device_type
 
 
 def worker_environment(base: Optional[Dict[str, str]] = None, device_type: Optional[str] = None) -> Dict[str, str]:
     """The optimizer worker's environment: the training process's (``base``), with every accelerator hidden.
 
-    Off the CPU accelerator (``device_type``, default this process's), the worker also builds DeepSpeed's
-    native ops in a folder of its own: DeepSpeed names async_io alike under either accelerator, with other
-    build flags, so sharing the training process's folder would rebuild it at every start of either."""
+    Off the CPU accelerator (``device_type``, default this process's) the worker's ops are the CPU ones
+    set-up built (``deepspeed_compat.check_worker_ops``, checked before it starts) and it may compile none:
+    a compile there would take minutes of every core at its first start, against its start timeout."""
     env = dict(os.environ if base is None else base, **WORKER_HIDDEN_ACCELERATORS)
-    if device_type is None:
-        from deepspeed.accelerator import get_accelerator
-        device_type = get_accelerator().device_name()
-    if device_type != "cpu":
-        from torch.utils.cpp_extension import get_default_build_root
-        root = env.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-        env["TORCH_EXTENSIONS_DIR"] = os.path.join(root, WORKER_EXTENSIONS_FOLDER)
+    if _device_type(device_type) != "cpu":
+        env[deepspeed_compat.REQUIRE_PREBUILT_OPS_ENV] = "1"
     return env
 
 
@@ -355,6 +357,8 @@ class WorkerUpdater(Updater):
                  adamw_mode: bool, sizes: "BufferSizes", num_threads: int, host: SharedHostMemory,
                  start_timeout: float = 300.0):
         super().__init__(counters)
+        if _device_type(None) != "cpu":
+            deepspeed_compat.check_worker_ops()  # here, with the set-up command, not as a failed start
         task_read, task_write = os.pipe()
         result_read, result_write = os.pipe()
         shared_fds = (task_read, result_write) + host.fds()

@@ -3,13 +3,17 @@
 #
 #     scripts/gpu_check.sh [OUT_DIR]                  # default results/gpu_check/
 #     scripts/gpu_check.sh --cpu-dry-run [OUT_DIR]    # no GPU: the same stages on DeepSpeed's CPU accelerator
+#     scripts/gpu_check.sh [--cpu-dry-run] --wheelhouse DIR [OUT_DIR]
+#                                                     # offline: installs from DIR alone (scripts/gpu_wheelhouse.sh)
+#                                                     # into $GPU_CHECK_PYTHON (default python3), libaio from its .debs
 #
 # 1. Set-up, from a clean tree: a virtual environment (.venv_gpu, or $GPU_CHECK_PYTHON's), a CUDA build of
 #    torch ($TORCH_SPEC, default torch==2.13.0: PyPI's Linux wheel is the CUDA one; $PIP_OPTIONS for an
 #    offline wheelhouse, e.g. "--no-index --find-links /wheels"), this package, and DeepSpeed's native ops
 #    built for both accelerators (the GPU build of async_io needs a CUDA toolkit: nvcc and headers, found
-#    through CUDA_HOME; the optimizer worker's CPU build goes to its own folder). Not timed.
-# 2. Then, within CHECK_SECONDS (default 480) in all, each stage under its own timeout:
+#    through CUDA_HOME; the optimizer worker's CPU build goes to its own folder: scripts/native_ops.py build).
+# 2. Then, within CHECK_SECONDS (default 300) from the script's start, set-up included, each stage under its
+#    own timeout:
 #    fp32 and bf16 parity against plain PyTorch on the GPU; the one-rank A/B of ssd_bound at M=1 and 8
 #    against ZeRO-Infinity (scripts/ab_bench.py); a profile of one step (the share of each layer's
 #    host-to-device copy hidden under compute); with the time left, the LoRA row at M=8 (its step against
@@ -22,12 +26,18 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 
 DRY_RUN=0
-if [ "${1:-}" = "--cpu-dry-run" ]; then
-    DRY_RUN=1
-    shift
-fi
+WHEELHOUSE=""
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --cpu-dry-run) DRY_RUN=1; shift ;;
+        --wheelhouse) WHEELHOUSE="$(cd "${2:?--wheelhouse DIR}" && pwd)"; shift 2 ;;
+        *) break ;;
+    esac
+done
+started=$(date +%s)
 OUT="$(mkdir -p "${1:-$REPO/results/gpu_check}" && cd "${1:-$REPO/results/gpu_check}" && pwd)"
-CHECK_SECONDS="${CHECK_SECONDS:-480}"
+# The whole check, set-up included, from the script's start (one device command of at most 5 minutes).
+CHECK_SECONDS="${CHECK_SECONDS:-300}"
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$REPO/.cache/torch_extensions}"
 export NVME_PATH="${GPU_CHECK_NVME:-$REPO/.nvme_swap/gpu_check}"
 mkdir -p "$NVME_PATH"
@@ -36,7 +46,7 @@ rm -f "$OUT"/stages.tsv
 log() { echo "[gpu_check $(date +%H:%M:%S)] $*"; }
 
 # ----------------------------------------------------------------------------- 1. set-up
-setup_started=$(date +%s)
+setup_started=$started
 if [ "$DRY_RUN" = 1 ]; then
     export DS_ACCELERATOR=cpu
     PY="${GPU_CHECK_PYTHON:-$REPO/.venv/bin/python}"
@@ -47,7 +57,9 @@ else
         exit 2
     fi
     nvidia-smi -L
-    if [ -n "${GPU_CHECK_PYTHON:-}" ]; then
+    if [ -n "$WHEELHOUSE" ]; then
+        PY="${GPU_CHECK_PYTHON:-python3}"  # offline: the machine's own Python and torch
+    elif [ -n "${GPU_CHECK_PYTHON:-}" ]; then
         PY="$GPU_CHECK_PYTHON"
     else
         [ -x .venv_gpu/bin/python ] || python3 -m venv .venv_gpu || exit 3
@@ -58,8 +70,6 @@ else
             "$PY" -m pip install -q ${PIP_OPTIONS:-} "${TORCH_SPEC:-torch==2.13.0}" || exit 3
         fi
     fi
-    # shellcheck disable=SC2086
-    "$PY" -m pip install -q ${PIP_OPTIONS:-} -e . || exit 3
     "$PY" - <<'PY' || exit 3
 import sys, torch, torch.utils.cpp_extension as ext
 if not torch.cuda.is_available():
@@ -70,18 +80,42 @@ if ext.CUDA_HOME is None:
              "the GPU. Install the toolkit matching torch.version.cuda (" + str(torch.version.cuda) + ") and set CUDA_HOME")
 PY
 fi
-log "building DeepSpeed's native ops (first time: minutes)"
-"$PY" - <<'PY' || exit 3
-import subprocess, sys
-from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
-from ds_greedysnake.updates import worker_environment
-AsyncIOBuilder().load(verbose=False)
-CPUAdamBuilder().load(verbose=False)
-# The optimizer worker runs on DeepSpeed's CPU accelerator, with its ops in a folder of its own.
-subprocess.run([sys.executable, "-c", "from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder; "
-                "AsyncIOBuilder().load(verbose=False); CPUAdamBuilder().load(verbose=False)"],
-               env=worker_environment(), check=True)
-PY
+# DeepSpeed's ops, built here for the training process's accelerator and the worker's (CPU) one, into a
+# folder of this tree (ds_greedysnake/prebuilt_ops.py); after this no process may compile one.
+export DS_GREEDYSNAKE_OPS_DIR="${DS_GREEDYSNAKE_OPS_DIR:-$REPO/.cache/gpu_check_ops}"
+ACCELERATOR=cuda; [ "$DRY_RUN" = 1 ] && ACCELERATOR=cpu
+if [ -n "$WHEELHOUSE" ]; then
+    # Offline: libaio from its .deb files into a prefix of this tree, found by gcc (CPATH, LIBRARY_PATH),
+    # DeepSpeed's libaio check (CFLAGS, LDFLAGS) and the loader (LD_LIBRARY_PATH); CUDA's stub libcuda last,
+    # for a driver whose libcuda.so has no unversioned link.
+    AIO="$REPO/.cache/libaio"
+    for deb in "$WHEELHOUSE"/libaio*.deb; do dpkg -x "$deb" "$AIO" || exit 3; done
+    lib="$AIO/usr/lib/x86_64-linux-gnu"
+    export CPATH="$AIO/usr/include${CPATH:+:$CPATH}" LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    export LIBRARY_PATH="$lib${LIBRARY_PATH:+:$LIBRARY_PATH}:${CUDA_HOME:-/usr/local/cuda}/lib64/stubs"
+    export CFLAGS="-I$AIO/usr/include ${CFLAGS:-}" LDFLAGS="-L$lib ${LDFLAGS:-}"
+    PY="${GPU_CHECK_PYTHON:-python3}"  # the machine's own, with its torch
+    log "installing from $WHEELHOUSE into $("$PY" -c 'import sys; print(sys.prefix)')"
+    "$PY" -m pip install --no-index --find-links "$WHEELHOUSE" --no-compile -e . > "$OUT/pip_install.log" 2>&1 \
+        || { tail -n 30 "$OUT/pip_install.log"; exit 3; }
+    grep "^Successfully installed" "$OUT/pip_install.log"
+elif [ "$DRY_RUN" = 0 ]; then
+    # shellcheck disable=SC2086
+    "$PY" -m pip install -q ${PIP_OPTIONS:-} -e . || exit 3
+fi
+log "building DeepSpeed's native ops for the $ACCELERATOR accelerator and the worker's"
+"$PY" scripts/native_ops.py build --accelerator "$ACCELERATOR" > "$OUT/ops_build.log" 2>&1 &
+ops_main=$!
+ops_worker_status=0
+if [ "$ACCELERATOR" != cpu ]; then
+    "$PY" scripts/native_ops.py build --accelerator cpu --ops pin_memory async_io cpu_adam \
+        > "$OUT/ops_build_worker.log" 2>&1 || ops_worker_status=$?
+fi
+wait "$ops_main" || { tail -n 40 "$OUT/ops_build.log"; exit 3; }
+[ "$ops_worker_status" = 0 ] || { tail -n 40 "$OUT/ops_build_worker.log"; exit 3; }
+tail -n 2 "$OUT/ops_build.log"
+export DS_GREEDYSNAKE_REQUIRE_PREBUILT_OPS=1
+"$PY" scripts/native_ops.py report || exit 3
 "$PY" - "$OUT/setup.json" "$DRY_RUN" "$(( $(date +%s) - setup_started ))" <<'PY' || exit 3
 import json, os, sys
 sys.path.insert(0, os.path.join(os.getcwd(), "scripts"))
@@ -96,7 +130,7 @@ first_failure=0
 stage() {  # stage NAME SECONDS COMMAND...: run under a timeout that also respects the overall budget
     local name=$1 limit=$2
     shift 2
-    local left=$(( CHECK_SECONDS - ($(date +%s) - checks_started) ))
+    local left=$(( CHECK_SECONDS - 10 - ($(date +%s) - started) ))  # 10 s kept for the report
     if [ "$DRY_RUN" = 1 ]; then left=$limit; fi  # the CPU is not what the budget is for
     if [ "$left" -lt "$limit" ]; then limit=$left; fi
     if [ "$limit" -le 0 ]; then
@@ -123,7 +157,7 @@ else
     AB_OPTIONS=(--micro-batches 1 8 --warmup 1 --steps 2)
     LORA_OPTIONS=(--warmup 1 --steps 3)
     PROFILE_OPTIONS=()
-    PARITY_SECONDS=60 AB_SECONDS=240 PROFILE_SECONDS=100
+    PARITY_SECONDS=40 AB_SECONDS=90 PROFILE_SECONDS=45
 fi
 stage parity_fp32 "$PARITY_SECONDS" "$PY" scripts/gpu_check.py parity --dtype fp32 --out "$OUT/parity_fp32.json" \
     --nvme-path "$NVME_PATH"
@@ -135,7 +169,7 @@ stage profile "$PROFILE_SECONDS" "$PY" scripts/gpu_check.py profile --out "$OUT/
     --nvme-path "$NVME_PATH" "${PROFILE_OPTIONS[@]}"
 # Last, in whatever time is left: the LoRA row at M=8 (frozen base, PEFT adapters), with greedysnake's step
 # against its own floor and a Chrome trace of its median step.
-stage ab_lora "$AB_SECONDS" "$PY" scripts/ab_bench.py --configs lora --micro-batches 8 --ranks 1 --no-plot \
+stage ab_lora "$CHECK_SECONDS" "$PY" scripts/ab_bench.py --configs lora --micro-batches 8 --ranks 1 --no-plot \
     "${LORA_OPTIONS[@]}" --nvme-path "$NVME_PATH" --out-dir "$OUT/ab_lora" --trace "$OUT/ab_lora/step.json"
 
 # ----------------------------------------------------------------------------- 3. the report

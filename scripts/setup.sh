@@ -26,5 +26,8 @@ fi
 # DeepSpeed's native ops are compiled once, here, into the installed DeepSpeed (about 4 minutes on
 # 2 cores); no training, test or benchmark process compiles them.
 bash "$REPO/scripts/install_deepspeed.sh" "$REPO/.venv" "$REPO/.cache/deepspeed_build.log"
+# DeepSpeed uses an installed op only under the accelerator it was installed for; the optimizer worker runs
+# on the CPU one. Installed for a GPU, this builds the worker's CPU ops once (on a CPU machine: nothing).
+.venv/bin/python scripts/native_ops.py worker
 .venv/bin/python scripts/native_ops.py report
 echo "ds_greedysnake set-up done"

@@ -6,7 +6,7 @@ import sys
 import deepspeed.accelerator
 import pytest
 
-from ds_greedysnake import updates
+from ds_greedysnake import deepspeed_compat, updates
 from ds_greedysnake.deepspeed_compat import AdamHyperparameters
 from ds_greedysnake.host_memory import HostArena, SharedHostMemory
 from ds_greedysnake.ssd import IoCounters
@@ -40,6 +40,7 @@ def test_the_worker_starts_with_every_accelerator_hidden(monkeypatch, tmp_path):
     # The training process runs on a GPU: its environment and its accelerator say so.
     monkeypatch.setenv("DS_ACCELERATOR", "cuda")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.delenv(deepspeed_compat.REQUIRE_PREBUILT_OPS_ENV, raising=False)  # the suite sets it
     monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: _Accelerator("cuda"))
     started = {}
 
@@ -56,9 +57,8 @@ def test_the_worker_starts_with_every_accelerator_hidden(monkeypatch, tmp_path):
         updates.WorkerUpdater(IoCounters(), str(tmp_path), {}, hyper, True, updates.BufferSizes(8, 8, 8), 1, host)
     env = started["env"]
     assert env["CUDA_VISIBLE_DEVICES"] == "" and env["DS_ACCELERATOR"] == "cpu"
-    # Its ops (built for the CPU accelerator) do not share the GPU build's folder.
-    assert env["TORCH_EXTENSIONS_DIR"] == os.path.join(os.environ["TORCH_EXTENSIONS_DIR"], updates.WORKER_EXTENSIONS_FOLDER)
-    env["TORCH_EXTENSIONS_DIR"] = os.environ["TORCH_EXTENSIONS_DIR"]  # here, the prebuilt CPU ops
+    # Beside a GPU it may compile no op: set-up built its CPU ones (checked before it started).
+    assert env[deepspeed_compat.REQUIRE_PREBUILT_OPS_ENV] == "1"
     assert env["PATH"] == os.environ["PATH"]  # the rest is inherited
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     probe = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path)], env=env, capture_output=True, text=True,
