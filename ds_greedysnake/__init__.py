@@ -4,9 +4,13 @@ from .initialize import initialize
 from .model_split import ModelSplitError
 from .pretrained import PretrainedWeightsError, from_pretrained
 from .weights import WeightsAccessError
+from .zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_dict, get_fp32_state_dict_from_zero_checkpoint,
+                           load_state_dict_from_zero_checkpoint)
 
 __all__ = ["initialize", "from_pretrained", "GreedySnakeConfig", "GreedySnakeConfigError", "ModelSplitError",
-           "PretrainedWeightsError", "WeightsAccessError", "GreedySnakeTrainer", "GreedySnakeTrainerMixin"]
+           "PretrainedWeightsError", "WeightsAccessError", "GreedySnakeTrainer", "GreedySnakeTrainerMixin",
+           "get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_fp32_state_dict",
+           "load_state_dict_from_zero_checkpoint"]
 __version__ = "0.1.0"
 
 _HF_TRAINER_NAMES = ("GreedySnakeTrainer", "GreedySnakeTrainerMixin")

@@ -23,8 +23,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from deepspeed.utils import logger
 
-from .checkpoint_format import (FORMAT_VERSION, MANIFEST, STATE, CheckpointError, LayerState, SavedCheckpoint,
-                                encode_layer, encode_manifest, encode_state, open_checkpoint, read_manifest)
+import torch
+
+from .checkpoint_format import (BUFFERS, DEEPSPEED_DECOY, FORMAT_VERSION, MANIFEST, STATE, WEIGHTS_INDEX,
+                                CheckpointError, LayerState, SavedCheckpoint, encode_layer, encode_manifest,
+                                encode_state, open_checkpoint, read_manifest)
 
 __all__ = ["FORMAT_VERSION", "LATEST", "CheckpointError", "LayerState", "CheckpointWriter", "resolve_tag",
            "write_checkpoint", "restore_checkpoint", "read_full_layer", "remove_old_checkpoints"]
@@ -84,6 +87,19 @@ class CheckpointWriter:
                            "tensors, numbers, strings, lists and dicts to avoid that")
         _save_durably(data, os.path.join(self.staging, STATE))
 
+    def write_weights_index(self, index: Dict[str, Any], buffers: Dict[str, torch.Tensor]) -> None:
+        """Rank 0: the state_dict keys and buffers zero_to_fp32 writes, and the file that makes DeepSpeed's
+        own zero_to_fp32 name it (zero_to_fp32.py)."""
+        import io
+        import json
+        from safetensors.torch import save as safetensors_bytes
+        from .zero_to_fp32 import deepspeed_decoy
+        _save_durably(json.dumps(index, indent=1).encode(), os.path.join(self.staging, WEIGHTS_INDEX))
+        _save_durably(safetensors_bytes(buffers, {"format": "pt"}), os.path.join(self.staging, BUFFERS))
+        decoy = io.BytesIO()
+        torch.save(deepspeed_decoy(), decoy)
+        _save_durably(decoy.getvalue(), os.path.join(self.staging, DEEPSPEED_DECOY))
+
     def write_manifest(self, world_size: int, layer_numels: Sequence[int], counters: Dict[str, Any]) -> None:
         _save_durably(encode_manifest(world_size, layer_numels, counters), os.path.join(self.staging, MANIFEST))
 
@@ -124,10 +140,12 @@ def resolve_tag(load_dir: str, tag: Optional[str]) -> str:
 
 
 def write_checkpoint(save_dir: str, tag: str, layers, optimizer, parallel, counters: Dict[str, Any],
-                     state: Dict[str, Any], save_latest: bool, total_limit: Optional[int]) -> str:
+                     state: Dict[str, Any], save_latest: bool, total_limit: Optional[int],
+                     weights: Optional[Tuple[Dict[str, Any], Dict[str, torch.Tensor]]] = None) -> str:
     """Collective. Every rank writes its shard of every layer (``optimizer.read_layer_state``); rank 0
-    writes ``state`` and the manifest (``counters``: JSON values), publishes the folder, moves
-    ``latest`` and removes the checkpoints beyond ``total_limit``."""
+    writes ``state``, the manifest (``counters``: JSON values) and ``weights`` (zero_to_fp32.describe_weights),
+    publishes the folder, moves ``latest``, puts ``zero_to_fp32.py`` in ``save_dir`` and removes the
+    checkpoints beyond ``total_limit``."""
     writer = CheckpointWriter(save_dir, tag, parallel.rank)
     publisher = parallel.rank == 0
     if publisher:
@@ -138,10 +156,14 @@ def write_checkpoint(save_dir: str, tag: str, layers, optimizer, parallel, count
             writer.write_layer(layer.index, layer.numel, parallel.world_size, optimizer.read_layer_state(layer))
         if publisher:
             writer.write_state(state)
+            if weights is not None:
+                writer.write_weights_index(*weights)
             writer.write_manifest(parallel.world_size, [layer.numel for layer in layers], counters)
         parallel.barrier()
         if publisher:
             writer.publish(save_latest)
+            from .zero_to_fp32 import write_recovery_script
+            write_recovery_script(save_dir)  # as DeepSpeed's engine copies its own there
     except BaseException:
         if publisher:
             writer.abandon()

@@ -12,6 +12,12 @@ Format 2, in ``<save_dir>/<tag>/``:
   Adam moments (``master``, ``exp_avg``, ``exp_avg_sq``), a contiguous 1/W of the layer's flat,
   zero-padded vector (parallel.ShardLayout); the layer, rank, W and the layer's parameter count as
   metadata. No pickle at all.
+- ``weights_index.json`` and ``buffers.safetensors`` (rank 0): the module's ``state_dict`` keys, each
+  parameter's layer, offset in that layer's flat vector and shape, the tied aliases, and the persistent
+  buffers: what ``zero_to_fp32.py`` needs to write a state dict without the model (zero_to_fp32.py).
+- ``DEEPSPEED_DECOY`` (rank 0): a small torch file whose name matches the ``*_model_states.pt`` that
+  DeepSpeed's own zero_to_fp32 globs for, so that its error ("<path> is not a model state checkpoint")
+  names the command that converts this checkpoint.
 
 Format 1 (before it): per rank ``state.rank<r>.pt`` (all of the above) and ``layer_<i>.rank<r>.pt``
 (a dict of the three tensors), both pickles. They are read with the same weights-only loader: one
@@ -42,6 +48,9 @@ FORMAT_NAME = "ds_greedysnake checkpoint"
 MANIFEST = "checkpoint.json"
 STATE = "state.pt"
 TENSOR_NAMES = ("master", "exp_avg", "exp_avg_sq")
+WEIGHTS_INDEX = "weights_index.json"
+BUFFERS = "buffers.safetensors"
+DEEPSPEED_DECOY = "ds_greedysnake_checkpoint.convert_it_with.python_zero_to_fp32.py_in_the_folder_above_model_states.pt"
 
 try:
     from numpy._core.multiarray import scalar as _numpy_scalar  # numpy 2
@@ -163,7 +172,8 @@ class SavedCheckpoint:
         """Raise naming the file unless layer ``index``'s shard of ``rank`` is there, whole and of this layer."""
         raise NotImplementedError
 
-    def _read_slice(self, index: int, rank: int, start: int, stop: int) -> List[torch.Tensor]:
+    def _read_slice(self, index: int, rank: int, start: int, stop: int,
+                    names: Sequence[str] = TENSOR_NAMES) -> List[torch.Tensor]:
         raise NotImplementedError
 
     def shard_numel(self, numel: int) -> int:
@@ -186,15 +196,22 @@ class SavedCheckpoint:
     def read_range(self, index: int, numel: int, start: int, stop: int) -> LayerState:
         """Elements [start, stop) of layer ``index``'s full flat vectors (zero past ``numel``, as a
         shard's padding is), gathered from the saved shards that hold them: at most the range in memory."""
-        parts = [torch.zeros(stop - start, dtype=torch.float32) for _ in TENSOR_NAMES]
+        return LayerState(*self.read_vectors(index, numel, start, stop, TENSOR_NAMES))
+
+    def read_master_range(self, index: int, numel: int, start: int, stop: int) -> torch.Tensor:
+        """As ``read_range``, the fp32 master weights alone (the moments are not read)."""
+        return self.read_vectors(index, numel, start, stop, ("master",))[0]
+
+    def read_vectors(self, index: int, numel: int, start: int, stop: int, names: Sequence[str]) -> List[torch.Tensor]:
+        parts = [torch.zeros(stop - start, dtype=torch.float32) for _ in names]
         shard, end, position = self.shard_numel(numel), min(stop, numel), start
         while position < end:
             rank, offset = divmod(position, shard)
             count = min(end - position, shard - offset)
-            for part, piece in zip(parts, self._read_slice(index, rank, offset, offset + count)):
+            for part, piece in zip(parts, self._read_slice(index, rank, offset, offset + count, names)):
                 part[position - start:position - start + count].copy_(piece)
             position += count
-        return LayerState(*parts)
+        return parts
 
 
 class SavedCheckpointV2(SavedCheckpoint):
@@ -245,9 +262,10 @@ class SavedCheckpointV2(SavedCheckpoint):
         if found != expected or shapes != wanted:
             raise CheckpointError(f"shard {path} holds {found} {shapes}, expected {expected} {wanted}")
 
-    def _read_slice(self, index: int, rank: int, start: int, stop: int) -> List[torch.Tensor]:
+    def _read_slice(self, index: int, rank: int, start: int, stop: int,
+                    names: Sequence[str] = TENSOR_NAMES) -> List[torch.Tensor]:
         with safe_open(self.path(index, rank), framework="pt") as shard:
-            return [shard.get_slice(name)[start:stop] for name in TENSOR_NAMES]
+            return [shard.get_slice(name)[start:stop] for name in names]
 
 
 class SavedCheckpointV1(SavedCheckpoint):
@@ -284,6 +302,7 @@ class SavedCheckpointV1(SavedCheckpoint):
             raise CheckpointError(f"shard {self.path(index, rank)} holds {sizes} elements, layer {index} of this "
                                   f"model needs {self.shard_numel(numel)} per rank of {self.world_size}")
 
-    def _read_slice(self, index: int, rank: int, start: int, stop: int) -> List[torch.Tensor]:
+    def _read_slice(self, index: int, rank: int, start: int, stop: int,
+                    names: Sequence[str] = TENSOR_NAMES) -> List[torch.Tensor]:
         tensors = self._load_shard(index, rank)
-        return [tensors[name][start:stop].float() for name in TENSOR_NAMES]
+        return [tensors[name][start:stop].float() for name in names]

@@ -22,6 +22,7 @@ from .optimizer import LayerwiseAdam, OptimizerSettings
 from .pretrained import PretrainedWeights
 from .ssd import IoCounters, SsdStore, SwapFolderLock
 from .weights import LayerParams, LayerSource, ModuleWeightAccess, WeightPlan, as_dtype
+from .zero_to_fp32 import describe_weights
 
 
 @dataclass
@@ -54,6 +55,23 @@ class StepMetrics:
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else float("nan")
+
+
+class ShortDataError(ValueError):
+    """The data iterator ran out in the middle of a step: nothing of that step was run."""
+
+
+def short_data_error(arrived: int, wanted: int, from_config: bool) -> Exception:
+    """A clean end of the data (nothing arrived) stays a StopIteration, so loops that end on it still do;
+    a part of a step is an error naming the counts (the step is not run: nothing of it is left behind)."""
+    source = f"gradient_accumulation_steps is {wanted}" if from_config else f"num_micro_batches is {wanted}"
+    if arrived == 0:
+        return StopIteration(f"the data iterator is exhausted: no micro-batch arrived for the next step ({source})")
+    return ShortDataError(
+        f"the data iterator ran out after {arrived} of a step's micro-batches ({source}): the step was not run and "
+        f"nothing changed. Give every step {wanted} micro-batches (e.g. DataLoader(drop_last=True) with a length "
+        f"divisible by {wanted}), or train the last, short window with train_batch(data_iter, "
+        f"num_micro_batches={arrived})")
 
 
 class _Setup:
@@ -183,9 +201,13 @@ class GreedySnakeEngine(EngineBase):
         if count is not None and count < 1:
             raise ValueError(f"num_micro_batches must be at least 1, got {count}")
         device = accelerator_device()
+        wanted = count or self.gradient_accumulation_steps()
         micro_batches = []
-        for _ in range(count or self.gradient_accumulation_steps()):
-            inputs, labels = next(data_iter)
+        for _ in range(wanted):
+            try:
+                inputs, labels = next(data_iter)
+            except StopIteration:
+                raise short_data_error(len(micro_batches), wanted, count is None) from None
             micro_batches.append((inputs.to(device), labels.to(device)))
         return micro_batches
 
@@ -315,7 +337,8 @@ class GreedySnakeEngine(EngineBase):
                  "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
                  "client_state": client_state or {}}
         write_checkpoint(save_dir, tag, self.layers, self.optimizer, self.parallel, counters, state, save_latest,
-                         self._setup.config.save_total_limit)
+                         self._setup.config.save_total_limit,
+                         describe_weights(self.weight_plan) if self.global_rank == 0 else None)
         return True
 
     def load_checkpoint(self, load_dir: str, tag=None, load_module_strict: bool = True,

@@ -91,7 +91,8 @@ class Executor:
             started, span_started = time.perf_counter(), time.monotonic()
             with record_function(f"gs::{op}") if profiling else nullcontext():
                 if op.kind == OpKind.DECIDE_STEP:
-                    decision = self.optimizer.decide_step()
+                    # Through step(): torch's lr schedulers wrap it to see that the optimizer stepped.
+                    decision = self.optimizer.step()
                 elif op.kind == OpKind.UPDATE:
                     # Before the decision an update is speculative: committed or discarded by it.
                     speculative = decision is None

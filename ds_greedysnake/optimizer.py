@@ -504,8 +504,15 @@ class LayerwiseAdam(torch.optim.Optimizer):
                                    eps=group["eps"], weight_decay=group["weight_decay"],
                                    bias_correction=group["bias_correction"])
 
-    def step(self, closure=None):
-        raise RuntimeError("the greedysnake optimizer steps inside engine.train_batch(); do not call step()")
+    def step(self, closure=None) -> StepDecision:
+        """The step's global part (``decide_step``), which the executor calls once every layer has handed its
+        gradient. It goes through ``step`` because whatever wraps ``optimizer.step`` must see the real step
+        (torch's lr schedulers count it that way: otherwise they warn "lr_scheduler.step() before
+        optimizer.step()"). Called outside train_batch, with no gradient handed this step, it raises."""
+        handed = [value is not None for value, layer in zip(self._grad_sq_norms, self._layers) if layer.trainable]
+        if closure is not None or not any(handed):
+            raise RuntimeError("the greedysnake optimizer steps inside engine.train_batch(); do not call step()")
+        return self.decide_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         return None  # gradients are accumulated and handed over by the layer owners

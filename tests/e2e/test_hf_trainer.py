@@ -219,3 +219,46 @@ def test_train_refuses_what_it_cannot_train(tmp_path, model_dir):
     assert "label_smoothing_factor" in messages["label_smoothing_factor"]
     assert "padding attention_mask" in messages["attention_mask"]
     assert messages["attention_mask.steps"] == 0  # the engine was built, and took no step
+
+
+def test_a_checkpoint_without_the_16bit_gather_converts_with_its_own_zero_to_fp32(tmp_path, model_dir):
+    """Issue 31, must-show 1 and 2: a Trainer run saved without stage3_gather_16bit_weights_on_model_save,
+    torch's lr-scheduler check turned into an error (it passes: the scheduler sees the real optimizer
+    step). The checkpoint folder's zero_to_fp32.py, run as DeepSpeed documents it, writes weights that
+    from_pretrained loads, bitwise equal to engine.save_pretrained's; DeepSpeed's three Python functions,
+    imported from ds_greedysnake, give the same tensors."""
+    from transformers import AutoModelForCausalLM
+    from ds_greedysnake import (convert_zero_checkpoint_to_fp32_state_dict, get_fp32_state_dict_from_zero_checkpoint,
+                                load_state_dict_from_zero_checkpoint)
+    result = run(tmp_path, "no_gather", "greedysnake", model_dir,
+                 extra=["--no-gather", "--save-steps", "3", "--save-pretrained", str(tmp_path / "pretrained"),
+                        "--scheduler-warnings-are-errors"])
+    assert result["global_step"] == 3
+    checkpoint = tmp_path / "no_gather_output" / "checkpoint-3"
+    files = os.listdir(checkpoint)
+    assert "zero_to_fp32.py" in files and "global_step3" in files
+    assert not [name for name in files if name.startswith(("model", "pytorch_model"))]  # no 16-bit weights saved
+    out = tmp_path / "converted"
+    done = subprocess.run([sys.executable, str(checkpoint / "global_step3" / ".." / "zero_to_fp32.py"), str(checkpoint),
+                           str(out), "--safe_serialization"], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)), timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert os.listdir(out) == ["model.safetensors"]
+    shutil.copy(checkpoint / "config.json" if (checkpoint / "config.json").exists() else
+                os.path.join(model_dir, "config.json"), out / "config.json")
+    converted = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).state_dict()
+    saved = AutoModelForCausalLM.from_pretrained(str(tmp_path / "pretrained"), dtype=torch.float32).state_dict()
+    assert set(converted) == set(saved)
+    for key, value in saved.items():
+        assert torch.equal(converted[key], value), key
+    for name, value in result["weights"].items():  # the engine's fp32 masters, as trained
+        assert torch.equal(converted[name], value), name
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint))
+    convert_zero_checkpoint_to_fp32_state_dict(str(checkpoint), str(tmp_path / "bin"), tag="global_step3")
+    from_bin = torch.load(str(tmp_path / "bin" / "pytorch_model.bin"), weights_only=True)
+    loaded = load_state_dict_from_zero_checkpoint(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                                                  str(checkpoint)).state_dict()
+    assert set(state_dict) == set(from_bin) == set(result["weights"])
+    for key, value in state_dict.items():
+        assert torch.equal(value, saved[key]) and torch.equal(from_bin[key], saved[key]), key
+        assert torch.equal(loaded[key], saved[key]), key

@@ -37,6 +37,11 @@ def parse_args():
     parser.add_argument("--save-total-limit", type=int, default=None)
     parser.add_argument("--resume", default=None, help="resume_from_checkpoint")
     parser.add_argument("--save-model", default=None, help="trainer.save_model() into this folder")
+    parser.add_argument("--no-gather", action="store_true", help="stage3_gather_16bit_weights_on_model_save false: "
+                        "Trainer's checkpoints hold the engine's checkpoint only")
+    parser.add_argument("--save-pretrained", default=None, help="engine.save_pretrained(dir, dtype=float32) at the end")
+    parser.add_argument("--scheduler-warnings-are-errors", action="store_true", help="torch's lr scheduler check "
+                        "(lr_scheduler.step() before optimizer.step(), optimizer.step() overridden) raises")
     parser.add_argument("--lora", action="store_true", help="PEFT LoRA adapters (rank 4, attention and MLP), the base "
                         "frozen")
     parser.add_argument("--config-from-launcher", action="store_true", help="accelerate launch passes the config")
@@ -136,6 +141,12 @@ def refusals(args) -> dict:
 def main():
     args = parse_args()
     deepspeed_config = None if args.mode == "plain" else ds_config(args.nvme, args.mode == "greedysnake")
+    if args.no_gather and deepspeed_config is not None:
+        deepspeed_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = False
+    if args.scheduler_warnings_are_errors:
+        import warnings
+        warnings.filterwarnings("error", message=r"(Detected call of `lr_scheduler\.step\(\)`|Seems like "
+                                r"`optimizer\.step\(\)` has been overridden)")
     if args.write_config:
         with open(args.write_config, "w") as handle:
             json.dump(deepspeed_config, handle)
@@ -167,6 +178,8 @@ def main():
     weights = final_weights(trainer, args.mode)
     if args.save_model:
         trainer.save_model(args.save_model)
+    if args.save_pretrained:
+        trainer.model_wrapped.save_pretrained(args.save_pretrained, dtype=torch.float32)
     if rank == 0:
         torch.save({"log_history": trainer.state.log_history, "train_loss": train_output.training_loss,
                     "global_step": train_output.global_step, "eval_loss": eval_loss, "weights": weights,
