@@ -37,7 +37,7 @@ def test_train_hf_trains_reports_and_checkpoints(tmp_path):
     assert all(math.isfinite(loss) for loss in report["losses"])
     assert report["peak_rss_training"]["process_gib"] > 0 and report["peak_rss_training"]["children_gib"]
     assert "ssd_GBs=" in done.stderr and "tok_s=" in done.stderr  # the tqdm bar
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step1", "step2"]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step1", "step2", "zero_to_fp32.py"]
 
 
 def test_lora_from_a_pretrained_folder_saves_the_adapters(tmp_path):
