@@ -26,8 +26,8 @@ from deepspeed.utils import logger
 import torch
 
 from .checkpoint_format import (BUFFERS, DEEPSPEED_DECOY, FORMAT_VERSION, MANIFEST, STATE, WEIGHTS_INDEX,
-                                CheckpointError, LayerState, SavedCheckpoint, encode_layer, encode_manifest,
-                                encode_state, open_checkpoint, read_manifest)
+                                CheckpointError, LayerState, SavedCheckpoint, deepspeed_decoy, encode_layer,
+                                encode_manifest, encode_state, open_checkpoint, read_manifest)
 
 __all__ = ["FORMAT_VERSION", "LATEST", "CheckpointError", "LayerState", "CheckpointWriter", "resolve_tag",
            "write_checkpoint", "restore_checkpoint", "read_full_layer", "remove_old_checkpoints"]
@@ -93,7 +93,6 @@ class CheckpointWriter:
         import io
         import json
         from safetensors.torch import save as safetensors_bytes
-        from .zero_to_fp32 import deepspeed_decoy
         _save_durably(json.dumps(index, indent=1).encode(), os.path.join(self.staging, WEIGHTS_INDEX))
         _save_durably(safetensors_bytes(buffers, {"format": "pt"}), os.path.join(self.staging, BUFFERS))
         decoy = io.BytesIO()

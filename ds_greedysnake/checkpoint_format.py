@@ -51,6 +51,15 @@ TENSOR_NAMES = ("master", "exp_avg", "exp_avg_sq")
 WEIGHTS_INDEX = "weights_index.json"
 BUFFERS = "buffers.safetensors"
 DEEPSPEED_DECOY = "ds_greedysnake_checkpoint.convert_it_with.python_zero_to_fp32.py_in_the_folder_above_model_states.pt"
+DEEPSPEED_REFUSAL = ("this is a ds_greedysnake checkpoint, which DeepSpeed's zero_to_fp32 cannot read. Convert it "
+                     "with the zero_to_fp32.py in the folder above it (python zero_to_fp32.py . output_dir "
+                     "--safe_serialization), or from Python with ds_greedysnake.get_fp32_state_dict_from_zero_checkpoint")
+
+
+def deepspeed_decoy() -> Dict[str, str]:
+    """The content of DEEPSPEED_DECOY: no ``buffer_names``, so DeepSpeed's parse_model_states stops at it
+    with ``ValueError("<its path> is not a model state checkpoint")``, and the path says what works."""
+    return {"ds_greedysnake": DEEPSPEED_REFUSAL}
 
 try:
     from numpy._core.multiarray import scalar as _numpy_scalar  # numpy 2

@@ -77,10 +77,12 @@ class Executor:
         # The next step updates layers in this same order: its first state reads can start now.
         self.optimizer.announce_update_order([op.layer for op in self.schedule(num_micro_batches)
                                               if op.kind == OpKind.UPDATE])
-        # One read of the host for every micro-batch's loss, not one each.
-        ordered_losses = self.layers[0].transfers.read_values(torch.stack([losses[index].float()
-                                                                            for index in range(num_micro_batches)]))
-        return StepResult(ordered_losses, decision, dict(seconds))
+        return StepResult(self._read_losses([losses[index] for index in range(num_micro_batches)]), decision,
+                          dict(seconds))
+
+    def _read_losses(self, losses: List[torch.Tensor]) -> List[float]:
+        """Every micro-batch's loss as a float, in one read of the host (one wait for the device), not one each."""
+        return self.layers[0].transfers.read_values(torch.stack([loss.float() for loss in losses])) if losses else []
 
     def _run_schedule(self, micro_batches, losses, output_grads, seconds) -> StepDecision:
         decision: Optional[StepDecision] = None
@@ -130,7 +132,7 @@ class Executor:
             self._abandon_step()
             raise
         self.activations.clear()
-        return self.layers[0].transfers.read_values(torch.stack([loss.float() for loss in losses])) if losses else []
+        return self._read_losses(losses)
 
     def _abandon_step(self) -> None:
         """After a failure mid-step: no SSD read left in flight (an aio handle destroyed with pending

@@ -274,8 +274,10 @@ class LayerwiseAdam(torch.optim.Optimizer):
 
     def _complete_hand_overs(self, layer_index: Optional[int] = None) -> None:
         """Wait for the gradient copies handed over (only ``layer_index``'s, when given) and write the SSD ones."""
-        indices = list(self._hand_overs) if layer_index is None else [layer_index] if layer_index in self._hand_overs else []
+        indices = list(self._hand_overs) if layer_index is None else [layer_index]
         for index in indices:
+            if index not in self._hand_overs:
+                continue  # completed already
             hand_over = self._hand_overs.pop(index)
             hand_over.copied.wait()
             if hand_over.on_ssd:

@@ -66,11 +66,6 @@ if __name__ == "__main__":
     sys.exit(main())
 '''
 
-DEEPSPEED_REFUSAL = ("this is a ds_greedysnake checkpoint, which DeepSpeed's zero_to_fp32 cannot read. Convert it "
-                     "with the zero_to_fp32.py in the folder above it (python zero_to_fp32.py . output_dir "
-                     "--safe_serialization), or from Python with ds_greedysnake.get_fp32_state_dict_from_zero_checkpoint")
-
-
 class ZeroToFp32Error(ValueError):
     """A checkpoint or option zero_to_fp32 cannot convert; the message names it and what works."""
 
@@ -116,12 +111,6 @@ def write_recovery_script(save_dir: str) -> str:
     os.chmod(staged, 0o755)
     os.replace(staged, path)
     return path
-
-
-def deepspeed_decoy() -> Dict[str, str]:
-    """The content of DEEPSPEED_DECOY: no ``buffer_names``, so DeepSpeed's parse_model_states stops at it
-    with ``ValueError("<its path> is not a model state checkpoint")``, and the path says what works."""
-    return {"ds_greedysnake": DEEPSPEED_REFUSAL}
 
 
 # ----------------------------------------------------------------------------- reading a checkpoint
