@@ -1,4 +1,5 @@
 """ds_greedysnake: vertical (GreedySnake) scheduling for SSD-offloaded training on DeepSpeed."""
+from .accelerate_prepare import prepare
 from .config import GreedySnakeConfig, GreedySnakeConfigError
 from .initialize import initialize
 from .model_split import ModelSplitError
@@ -7,7 +8,7 @@ from .weights import WeightsAccessError
 from .zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_dict, get_fp32_state_dict_from_zero_checkpoint,
                            load_state_dict_from_zero_checkpoint)
 
-__all__ = ["initialize", "from_pretrained", "GreedySnakeConfig", "GreedySnakeConfigError", "ModelSplitError",
+__all__ = ["initialize", "prepare", "from_pretrained", "GreedySnakeConfig", "GreedySnakeConfigError", "ModelSplitError",
            "PretrainedWeightsError", "WeightsAccessError", "GreedySnakeTrainer", "GreedySnakeTrainerMixin",
            "get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_fp32_state_dict",
            "load_state_dict_from_zero_checkpoint"]

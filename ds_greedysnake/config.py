@@ -88,6 +88,16 @@ class GreedySnakeConfig(DeepSpeedConfigModel):
     at least 1: one core for the training process launching kernels, one for the aio threads, the
     rest for CPU Adam, which otherwise binds the step (``worker_threads_for``)."""
 
+    training_threads: Optional[int] = Field(None, ge=1)
+    """Intra-op CPU threads of the training process (``torch.set_num_threads``, set at initialize and
+    given back at ``engine.close()``). Default: the cores this rank may use (as for
+    ``optimizer_worker_threads``) less the optimizer worker's threads where the overlap runs it, at
+    least 1; unless ``OMP_NUM_THREADS`` is set, which is then left as it is. On the CPU accelerator
+    training computes on the cores the worker runs Adam on: torch's default (every core) has them
+    spin against each other and against anything else on the machine (a data loader), which slowed
+    a step 2.5x beside one busy core here (docs/ab_bench.md); with a GPU the training process only
+    launches kernels (``training_threads_for``)."""
+
     collective_timeout_seconds: float = Field(600.0, gt=0)
     """How long a rank waits in a collective for the others before failing with an error (used when
     ds_greedysnake.initialize sets up torch.distributed; DeepSpeed's own default is 30 minutes)."""
@@ -116,15 +126,30 @@ class GreedySnakeConfig(DeepSpeedConfigModel):
     """Folder created under ``zero_optimization.offload_param.nvme_path`` for this run's files."""
 
 
+def cores_per_rank() -> int:
+    """The cores this process may run on (its CPU affinity) shared among the ranks on this machine."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    ranks_here = max(1, int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    return max(1, cores // ranks_here)
+
+
 def worker_threads_for(config: GreedySnakeConfig, device_type: str) -> int:
     """``optimizer_worker_threads``, or its default for the accelerator (see the field)."""
     if config.optimizer_worker_threads is not None:
         return config.optimizer_worker_threads
     if device_type == "cpu":
         return 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    ranks_here = max(1, int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    return max(1, cores // ranks_here - 2)
+    return max(1, cores_per_rank() - 2)
+
+
+def training_threads_for(config: GreedySnakeConfig, device_type: str) -> Optional[int]:
+    """``training_threads``, or its default (see the field); None: leave torch's setting (OMP_NUM_THREADS set)."""
+    if config.training_threads is not None:
+        return config.training_threads
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    worker = worker_threads_for(config, device_type) if config.optimizer_overlap else 0
+    return max(1, cores_per_rank() - worker)
 
 
 def parse_greedysnake_config(ds_config: Dict[str, Any]) -> GreedySnakeConfig:

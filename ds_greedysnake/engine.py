@@ -1,4 +1,5 @@
 """The vertical engine: DeepSpeed's engine whose training step is the GreedySnake schedule."""
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ from deepspeed.utils import logger
 
 from .activations import ActivationStore
 from .checkpoint import restore_checkpoint, write_checkpoint
-from .config import GreedySnakeConfig, worker_threads_for
+from .config import GreedySnakeConfig, training_threads_for, worker_threads_for
 from .deepspeed_compat import EngineBase, accelerator_device
 from .executor import Executor, StepResult
 from .export import write_hf_checkpoint, write_peft_adapters
@@ -88,10 +89,24 @@ class GreedySnakeEngine(EngineBase):
     def __init__(self, greedysnake_config: GreedySnakeConfig, loss_fn: Callable, nvme_path: str,
                  pretrained: Optional[PretrainedWeights] = None, **ds_kwargs):
         self._setup = _Setup(greedysnake_config, loss_fn, nvme_path, pretrained)
+        # What this engine opens (the swap folder's lock, aio handles and locked buffers, the optimizer worker
+        # and its shared memory), closed in reverse order by ``close``, or at once when the constructor fails:
+        # a script that catches the failure and retries elsewhere leaks nothing.
+        self._opened = contextlib.ExitStack()
         self.io_counters = IoCounters()
         self.last_step_metrics: Optional[StepMetrics] = None
-        super().__init__(**ds_kwargs)
-        self._install_weight_access()
+        try:
+            super().__init__(**ds_kwargs)
+            self._install_weight_access()
+        except BaseException:
+            self._release_after_failed_start()
+            raise
+
+    def _release_after_failed_start(self) -> None:
+        try:
+            self._opened.close()
+        except Exception as error:  # the constructor's own error is the one to see
+            logger.warning(f"greedysnake: releasing what a failed initialize opened raised {error!r}")
 
     # Called by DeepSpeed's constructor once the model is placed and cast.
     def build_optimizer(self) -> LayerwiseAdam:
@@ -99,9 +114,11 @@ class GreedySnakeEngine(EngineBase):
         self.compute_dtype = torch.bfloat16 if self.bfloat16_enabled() else torch.float32
         accumulate_dtype = torch.float32 if setup.config.fp32_grad_accumulation else self.compute_dtype
         device = accelerator_device()
+        self._budget_training_threads(device.type)
         folder = os.path.join(setup.nvme_path, setup.config.swap_dir_name, f"rank{self.global_rank}")
         self.swap_folder = folder
         self.swap_lock = SwapFolderLock(folder)
+        self._opened.callback(self.swap_lock.release)
         split = plan_split(self.module)
         self.parallel = DataParallel(self.dp_world_size, dist.get_rank(group=self.data_parallel_group), device,
                                      self.data_parallel_group)
@@ -109,9 +126,9 @@ class GreedySnakeEngine(EngineBase):
                        for index, module in enumerate(split.layers)]
         self._lend_tied_parameters(split)
         prefetch_depth = setup.config.prefetch_depth if setup.config.prefetch else 1
-        param_store = SsdStore(folder, self.ds_config_dict, self.io_counters, "param", read_handles=prefetch_depth)
-        optimizer_store = SsdStore(folder, self.ds_config_dict, self.io_counters, "optimizer")
-        activation_store = SsdStore(folder, self.ds_config_dict, self.io_counters, "activation")
+        param_store, optimizer_store, activation_store = (
+            self._open_store(folder, name, handles) for name, handles in
+            (("param", prefetch_depth), ("optimizer", 1), ("activation", 1)))
         num_layers = len(self.layers)
         deferred = setup.config.deferred_layers
         if deferred is not None and deferred > num_layers:
@@ -124,6 +141,7 @@ class GreedySnakeEngine(EngineBase):
                                                  accumulate_dtype, num_layers,
                                                  worker_threads_for(setup.config, device.type))
         optimizer = LayerwiseAdam(self.layers, optimizer_store, settings, self.parallel)
+        self._opened.callback(optimizer.close)
         # The layer computing and the ones being prefetched (with prefetch off, a fetch still needs two
         # at the turn, where layer L-2 stays with the head); one more for a lender resident with its
         # borrower (tied embeddings: layer 0 stays with the head).
@@ -146,6 +164,23 @@ class GreedySnakeEngine(EngineBase):
             store.recorder = self._io_recorder
         self.executor.recorder = self._io_recorder
         return optimizer
+
+    def _budget_training_threads(self, device_type: str) -> None:
+        """This process's intra-op threads from the rank's cores (config.training_threads); given back on close."""
+        threads = training_threads_for(self._setup.config, device_type)
+        previous = torch.get_num_threads()
+        if threads is None or threads == previous:
+            return
+        torch.set_num_threads(threads)
+        self._opened.callback(torch.set_num_threads, previous)
+        if self.global_rank == 0:
+            logger.info(f"greedysnake: {threads} intra-op training threads (torch had {previous}; "
+                        "greedysnake.training_threads)")
+
+    def _open_store(self, folder: str, name: str, read_handles: int) -> SsdStore:
+        store = SsdStore(folder, self.ds_config_dict, self.io_counters, name, read_handles=read_handles)
+        self._opened.callback(store.close)
+        return store
 
     def _initial_flat_weights(self, layer: LayerOwner):
         """The layer's trainable and frozen weights, each as one flat host vector in the compute dtype."""
@@ -236,10 +271,12 @@ class GreedySnakeEngine(EngineBase):
         return IoTrace(self._io_recorder.stop() + worker_events)
 
     def close(self) -> None:
-        """Finish pending updates and stop the optimizer worker."""
-        self.optimizer.flush()
-        self.optimizer.close()
-        self.swap_lock.release()
+        """Finish pending updates, stop the optimizer worker and release the swap folder: its files, aio
+        handles and shared memory. The engine trains no more afterwards."""
+        try:
+            self.optimizer.flush()
+        finally:
+            self._opened.close()
 
     def master_parameters(self) -> Dict[str, torch.Tensor]:
         """Every parameter's fp32 master weights by name, read back from SSD (pending updates first); a

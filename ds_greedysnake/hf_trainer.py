@@ -24,7 +24,6 @@ accelerate 1.15):
   ``compute_metrics`` and ``predict()`` are refused.
 """
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -32,11 +31,12 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from transformers import Trainer
 
+from .accelerate_prepare import (count_ranks_on_the_cpu, initialize_for_accelerate,
+                                 refuse_what_the_engine_cannot_take)
 from .config import check_ds_config, parse_greedysnake_config
 from .deepspeed_compat import (default_gradient_clipping, deepspeed_initialize_routed, logical_shape,
                                remove_shm_buffer_at_exit)
 from .engine import GreedySnakeEngine
-from .initialize import initialize
 
 logger = logging.getLogger(__name__)
 
@@ -119,29 +119,11 @@ def non_embedding_parameters(model: torch.nn.Module) -> int:
 
 
 def count_every_rank_on_the_cpu(training_args) -> None:
-    """Give accelerate the number of ranks DeepSpeed runs on the CPU accelerator.
-
-    accelerate 1.15's DeepSpeed path picks no communication backend where there is no GPU, and a state
-    without a backend counts one process, although DeepSpeed has set torch.distributed up for all of them:
-    Trainer would give every rank the whole dataset and never sum a token count over ranks. Under DeepSpeed
-    on the CPU, the counts are taken from torch.distributed (for greedysnake and for ZeRO-Infinity alike).
-    """
+    """Give accelerate the number of ranks DeepSpeed runs on the CPU accelerator (accelerate_prepare.py)."""
     if getattr(training_args, "deepspeed_plugin", None) is None or get_accelerator().device_name() != "cpu":
         return
-    from accelerate.state import PartialState
     training_args.device  # sets up accelerate's state (and DeepSpeed's process group)
-    if not torch.distributed.is_initialized():
-        return
-    state = PartialState()
-    world_size = torch.distributed.get_world_size()
-    if state.num_processes == world_size:
-        return
-    state.backend = torch.distributed.get_backend()
-    state.num_processes = world_size
-    state.process_index = torch.distributed.get_rank()
-    state.local_process_index = int(os.environ.get("LOCAL_RANK", state.process_index))
-    logger.info(f"accelerate counted 1 process under DeepSpeed on the CPU; set to the {world_size} ranks of "
-                "torch.distributed")
+    count_ranks_on_the_cpu()
 
 
 @dataclass
@@ -203,14 +185,7 @@ class GreedySnakeTrainerMixin:
         model = kwargs.get("model")
         if args or model is None or model is not self.model:
             return original(*args, **kwargs)  # another model (a reference model, say): DeepSpeed's engine
-        if kwargs.get("optimizer") is not None:
-            raise GreedySnakeTrainerError("greedysnake steps with the ds_config \"optimizer\" block (AdamW), not an "
-                                          "optimizer made in Python: drop Trainer's optimizers= argument")
-        unknown = sorted(set(kwargs) - {"model", "config_params", "config", "model_parameters", "lr_scheduler",
-                                        "optimizer", "mpu"})
-        if unknown or kwargs.get("mpu") is not None:
-            raise GreedySnakeTrainerError(f"accelerate asked for a DeepSpeed engine with {unknown or ['mpu']}, which "
-                                          "greedysnake does not support (sequence or tensor parallelism)")
+        refuse_what_the_engine_cannot_take(kwargs, GreedySnakeTrainerError)
         if getattr(model, "is_activation_checkpointing", False):
             # The engine recomputes every layer in its backward already; HF's checkpointing would do it twice.
             model.activation_checkpointing_disable()
@@ -218,9 +193,7 @@ class GreedySnakeTrainerMixin:
                         "checkpointing is turned off")
         self._greedysnake_loss = TrainerLoss(model.loss_function, model.config.vocab_size)
         self._greedysnake_flops_parameters = non_embedding_parameters(model)
-        return initialize(model=model, model_parameters=kwargs.get("model_parameters"),
-                          lr_scheduler=kwargs.get("lr_scheduler"),
-                          config=kwargs.get("config_params") or kwargs.get("config"), loss_fn=self._greedysnake_loss)
+        return initialize_for_accelerate(kwargs, self._greedysnake_loss, GreedySnakeTrainerError)
 
     def _refuse_unsupported(self) -> None:
         """Everything the engine would get wrong, refused at train() with the option named."""

@@ -171,10 +171,6 @@ class LayerwiseAdam(torch.optim.Optimizer):
         # size is known, activations.py).
         self.ssd_bytes = self.layout.bytes_by_kind()
         self._check_disk(settings)
-        # Only layers never updated speculatively may keep their states in one, in-place, host slot.
-        self.host = SharedHostMemory(HostArena.for_gradients(shard_numels, settings.gradient_host_bytes),
-                                     HostArena.for_optimizer_states(shard_numels, settings.post_decision_layers,
-                                                                    settings.optimizer_host_bytes))
         self._state_regions: Dict[int, List[List[Region]]] = {}  # layers whose states are on SSD: slots of pieces
         self._state_slot: List[int] = [0] * len(layers)
         self._grad_regions: Dict[int, Region] = {}  # layers whose gradient goes through SSD
@@ -184,7 +180,20 @@ class LayerwiseAdam(torch.optim.Optimizer):
         self._speculative: Dict[int, Tuple[UpdateHandle, int, int]] = {}
         self._gradient_over_weights: Set[int] = set()  # one-slot layers whose file holds this step's gradient
         self._next_task_id = 0
-        for layer, placed in zip(layers, self.layout.layers):
+        # Only layers never updated speculatively may keep their states in one, in-place, host slot.
+        self.host = SharedHostMemory(HostArena.for_gradients(shard_numels, settings.gradient_host_bytes),
+                                     HostArena.for_optimizer_states(shard_numels, settings.post_decision_layers,
+                                                                    settings.optimizer_host_bytes))
+        try:
+            self._create_regions()
+            self.updater = self._start_updater(settings, hyper, adamw_mode)
+        except BaseException:
+            self.host.close()  # a caught failure (no space for a region, the worker not starting) leaks no memfd
+            raise
+
+    def _create_regions(self) -> None:
+        """Every SSD region of the optimizer's layers: state pieces per slot, and gradients through SSD."""
+        for layer, placed in zip(self._layers, self.layout.layers):
             if not placed.trainable:
                 continue  # nothing but its frozen region, which the layer owns
             assert (placed.state_slots == 0) == self.host.optimizer_states.holds(layer.index), layer.index
@@ -192,13 +201,19 @@ class LayerwiseAdam(torch.optim.Optimizer):
             if placed.state_slots:
                 # Per slot, the pieces the update pipeline streams (update_pipeline.py).
                 self._state_regions[layer.index] = [
-                    [store.create_region(f"opt_l{layer.index}_s{slot}_p{piece}", 12 * (stop - start), "optimizer")
+                    [self._store.create_region(f"opt_l{layer.index}_s{slot}_p{piece}", 12 * (stop - start),
+                                               "optimizer")
                      for piece, (start, stop) in enumerate(piece_ranges(layer.shard_numel, self._piece_numel))]
                     for slot in range(placed.state_slots)]
             if placed.gradient_on_ssd and not placed.gradient_in_parameter_file:
-                self._grad_regions[layer.index] = store.create_region(f"grad_l{layer.index}", placed.gradient_bytes,
-                                                                      "grad")
+                self._grad_regions[layer.index] = self._store.create_region(f"grad_l{layer.index}",
+                                                                            placed.gradient_bytes, "grad")
             # A gradient in the parameter file gets its region once that file exists (initialise_layer).
+
+    def _start_updater(self, settings: OptimizerSettings, hyper: AdamHyperparameters, adamw_mode: bool) -> Updater:
+        """The staging buffers for what goes through SSD, and where updates run: the worker (overlap) or inline."""
+        store = self._store
+        shard_numels = [layer.shard_numel for layer in self._layers]
         # Staging for states and gradients that go through SSD: none when every layer has a host slot.
         ssd_gradient_numels = [placed.numel for placed in self.layout.layers if placed.gradient_on_ssd]
         sizes = BufferSizes(max(shard_numels),
@@ -215,11 +230,10 @@ class LayerwiseAdam(torch.optim.Optimizer):
         self._grad_buffer = (store.buffer(padded_size(4 * sizes.largest_ssd_grad_numel))
                              if sizes.largest_ssd_grad_numel else None)
         if settings.overlap:
-            self.updater: Updater = WorkerUpdater(store.counters, store.folder, store.ds_config, hyper, adamw_mode,
-                                                  sizes._replace(read_ahead_pieces=self.read_ahead_pieces),
-                                                  settings.worker_threads, self.host)
-        else:
-            self.updater = InlineUpdater(store, CpuAdamKernel(hyper, adamw_mode), sizes, self.host)
+            return WorkerUpdater(store.counters, store.folder, store.ds_config, hyper, adamw_mode,
+                                 sizes._replace(read_ahead_pieces=self.read_ahead_pieces), settings.worker_threads,
+                                 self.host)
+        return InlineUpdater(store, CpuAdamKernel(hyper, adamw_mode), sizes, self.host)
 
     def _check_disk(self, settings: OptimizerSettings) -> None:
         """Log the SSD bytes per kind and fail, naming the bytes needed and free, when the disk cannot hold them."""

@@ -137,6 +137,8 @@ class SsdStore:
         # Locked buffers belong to the handle that allocated them (and are freed through it); any
         # handle transfers them.
         self._buffer_handle = self._read_handles[0]
+        self._locked_buffers: List[torch.Tensor] = []  # unlocked by close (DeepSpeed's handle only munlocks)
+        self._closed = False
         self._in_flight: List[_Transfer] = []
         self._next_id = 0
         os.makedirs(folder, exist_ok=True)
@@ -170,12 +172,39 @@ class SsdStore:
 
     def buffer(self, num_bytes: int) -> torch.Tensor:
         """An aligned host buffer this store transfers without a bounce copy; lives as long as the store."""
+        self._check_open()
         locked = deepspeed_compat.new_locked_buffer(self._buffer_handle, num_bytes)
-        return locked if locked is not None else aligned_buffer(num_bytes)
+        if locked is None:
+            return aligned_buffer(num_bytes)
+        self._locked_buffers.append(locked)
+        return locked
 
     def free_buffer(self, buffer: torch.Tensor) -> None:
         """Give back a buffer from ``buffer`` that is no longer used (locked memory is not freed by torch)."""
+        self._check_open()
         deepspeed_compat.free_locked_buffer(self._buffer_handle, buffer)
+        self._locked_buffers = [kept for kept in self._locked_buffers if kept is not buffer]
+
+    def close(self) -> None:
+        """Complete what is in flight (an aio handle destroyed with ops pending aborts the process), unlock
+        this store's buffers and drop its aio handles: their threads and kernel aio contexts end with them.
+        The store transfers nothing afterwards. Called by the engine's close and by a failed initialize."""
+        if self._closed:
+            return
+        try:
+            if self._in_flight:
+                self._wait_handles(self._in_flight)
+        finally:
+            self._in_flight = []
+            for buffer in self._locked_buffers:
+                deepspeed_compat.free_locked_buffer(self._buffer_handle, buffer)
+            self._locked_buffers = []
+            self._read_handles, self._write_handle, self._buffer_handle = [], None, None
+            self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"the {self.name} SSD store under {self.folder} is closed (engine.close() was called)")
 
     def new_buffer(self, region: Region) -> torch.Tensor:
         return self.buffer(region.padded_bytes)
@@ -196,6 +225,7 @@ class SsdStore:
         """Begin reading ``regions`` into consecutive parts of one buffer (each at the sum of the padded sizes
         before it: ``buffer_offsets``), on one read handle, as one read: ``wait_for_read(buffer)`` completes
         and checks them all (a layer's trainable weights and its frozen ones)."""
+        self._check_open()
         handle = self._free_read_handle()
         for region, offset in zip(regions, buffer_offsets(regions)):
             part = buffer[offset:]
@@ -308,6 +338,7 @@ class SsdStore:
         return free[0]
 
     def _submit(self, transfer: "_Transfer", handle=None) -> None:
+        self._check_open()
         if handle is None:
             handle = self._free_read_handle() if transfer.kind == "read" else self._write_handle
         transfer.handle = handle

@@ -368,8 +368,12 @@ class WorkerUpdater(Updater):
         os.close(result_write)
         self._tasks = _Pipe(Connection(task_write, readable=False), TASK_PIPE, self.recorder)
         self._results = _Pipe(Connection(result_read, writable=False), RESULT_PIPE, self.recorder)
-        self._tasks.send((folder, ds_config, hyper, adamw_mode, tuple(sizes), num_threads, host.layouts()))
-        self._receive(timeout=start_timeout, expecting="the worker to start")
+        try:
+            self._tasks.send((folder, ds_config, hyper, adamw_mode, tuple(sizes), num_threads, host.layouts()))
+            self._receive(timeout=start_timeout, expecting="the worker to start")
+        except BaseException:
+            self._abandon()  # a worker that did not start is not left running, nor its pipes open
+            raise
 
     def submit(self, task: UpdateTask) -> UpdateHandle:
         handle = UpdateHandle(self, task)
@@ -421,6 +425,13 @@ class WorkerUpdater(Updater):
                 self._process.wait(timeout=30)
             except (OSError, subprocess.TimeoutExpired):
                 self._process.kill()
+        self._tasks.close()
+        self._results.close()
+
+    def _abandon(self) -> None:
+        if self._process.poll() is None:
+            self._process.kill()
+        self._process.wait()
         self._tasks.close()
         self._results.close()
 

@@ -17,6 +17,7 @@ The parent writes <out-dir>/ab_bench.json (everything, the ds_configs included),
 table) and ab_bench.png (tokens/s against global batch, both engines, with the rooflines).
 """
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -60,6 +61,9 @@ def parse_args(argv=None):
     parser.add_argument("--no-floors", action="store_true",
                         help="skip greedysnake's floors (the I/O replay, compute and Adam alone after each one-rank "
                              "run): a sweep over many configurations in less time; the step times are unchanged")
+    parser.add_argument("--busy-cores", type=int, default=0, metavar="N",
+                        help="also run every engine beside N processes that each keep a core busy (a data loader, "
+                             "a tokenizer), after its run alone; the report gives both and the slow-down")
     parser.add_argument("--ranks", type=int, nargs="+", default=None,
                         help="data-parallel world sizes to run (default: 1 for every M, and 2 at the largest M "
                              "of each configuration; --quick: 1)")
@@ -134,6 +138,18 @@ def _launch_ranks(spec_path: str, spec: dict, args, log_name: str, world_size: i
     return [process.returncode for process in processes]
 
 
+@contextlib.contextmanager
+def busy_cores(count: int):
+    """``count`` processes, each spinning on a core, for as long as the block runs."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+
+
 def trace_path(trace: str, label: str, only_run: bool):
     """Where ``--trace`` FILE puts a run's Chrome trace: FILE itself for the invocation's only greedysnake run
     on one rank, else FILE's stem + _<label>.json."""
@@ -169,6 +185,15 @@ def cells(configs: dict, sweep: list, args):
                 sizes = [1] if args.quick or m != max(sweep) else [1, 2]
             for world_size in sizes:
                 yield name, model_spec, m, world_size
+
+
+def runs_in_order(configs: dict, sweep: list, args):
+    """(config name, spec, M, world size, engine, busy cores) of every run: each engine alone, then (with
+    ``--busy-cores``) beside the busy processes, one after the other."""
+    for name, model_spec, m, world_size in cells(configs, sweep, args):
+        for engine in args.engines:
+            for busy in ([0, args.busy_cores] if args.busy_cores else [0]):
+                yield name, model_spec, m, world_size, engine, busy
 
 
 def main(argv=None):
@@ -215,26 +240,29 @@ def main(argv=None):
 
         rates_before = probe_ssd()
         one_rank_runs = sum(1 for *_, world_size in cells(configs, sweep, args) if world_size == 1)
-        for name, model_spec, m, world_size in cells(configs, sweep, args):
-            for engine in args.engines:
-                label = f"{name}_m{m}" + (f"_ranks{world_size}" if world_size > 1 else "") + f"_{engine}"
-                spec = {"engine": engine, "config": name, "model": model_spec, "micro_batches": m,
-                        "greedysnake_options": args.greedysnake_options, "floors": not args.no_floors,
-                        "trace_path": (trace_path(args.trace, label, one_rank_runs == 1)
-                                       if args.trace and engine == "greedysnake" and world_size == 1 else None),
-                        "warmup": warmup, "steps": steps, "seed": 0, "nvme_path": os.path.join(scratch, label)}
+        for name, model_spec, m, world_size, engine, busy in runs_in_order(configs, sweep, args):
+            label = (f"{name}_m{m}" + (f"_ranks{world_size}" if world_size > 1 else "") + f"_{engine}"
+                     + (f"_busy{busy}" if busy else ""))
+            spec = {"engine": engine, "config": name, "model": model_spec, "micro_batches": m,
+                    "greedysnake_options": args.greedysnake_options, "floors": not args.no_floors and not busy,
+                    "trace_path": (trace_path(args.trace, label, one_rank_runs == 1)
+                                   if args.trace and engine == "greedysnake" and world_size == 1 and not busy
+                                   else None),
+                    "warmup": warmup, "steps": steps, "seed": 0, "nvme_path": os.path.join(scratch, label)}
+            with busy_cores(busy):
                 run = run_child("engine", spec, args, label, world_size)
-                rates_after = probe_ssd()
-                run["ssd_rates_around_run"] = {"before": rates_before, "after": rates_after}
-                run["roofline"] = roofline(run, machine, model_spec, (rates_before, rates_after))
-                runs.append(run)
-                rates_before = rates_after
+            run["busy_cores"] = busy
+            rates_after = probe_ssd()
+            run["ssd_rates_around_run"] = {"before": rates_before, "after": rates_after}
+            run["roofline"] = roofline(run, machine, model_spec, (rates_before, rates_after))
+            runs.append(run)
+            rates_before = rates_after
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     agreement = []
     for name, _, m, world_size in cells(configs, sweep, args):
         pair = {r["engine"]: r["final_loss"] for r in runs if r["config"] == name and r["micro_batches"] == m
-                and r.get("world_size", 1) == world_size}
+                and r.get("world_size", 1) == world_size and not r["busy_cores"]}
         if len(pair) == 2:
             agreement.append({"config": name, "micro_batches": m, "world_size": world_size, **pair,
                               "relative_difference": abs(pair["greedysnake"] - pair["zero_infinity"])
@@ -242,7 +270,7 @@ def main(argv=None):
     report = {
         "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(began)), "quick": args.quick,
         "wall_seconds": None, "greedysnake_options": args.greedysnake_options, "warmup": warmup, "steps": steps,
-        "sweep": sweep, "configs": configs,
+        "sweep": sweep, "configs": configs, "busy_cores": args.busy_cores,
         "machine": machine, "runs": runs, "loss_agreement": agreement,
         "baseline": {
             "description": "ZeRO-Infinity: stage 3, parameters and optimizer states on NVMe, max_in_cpu 0, "

@@ -101,11 +101,11 @@ def markdown(report: dict) -> str:
         roof = run["roofline"]
         pair = [r for r in report["runs"] if r["config"] == run["config"] and r["micro_batches"] == run["micro_batches"]
                 and r.get("world_size", 1) == run.get("world_size", 1)
-                and r["engine"] == "zero_infinity"]
+                and r.get("busy_cores", 0) == run.get("busy_cores", 0) and r["engine"] == "zero_infinity"]
         speedup = run["tokens_per_second"] / pair[0]["tokens_per_second"] if pair else float("nan")
         worker = f" ({run['peak_rss_children_mib']:.0f})" if run["engine"] == "greedysnake" else ""
         lines.append(
-            f"| {run['config']} | {run['micro_batches']} | {run.get('world_size', 1)} | {LABELS[run['engine']]} | "
+            f"| {run['config']} | {run['micro_batches']} | {ranks_column(run)} | {LABELS[run['engine']]} | "
             f"{run['step_seconds_median']:.2f} | "
             f"{run['tokens_per_second']:.0f} | {speedup:.2f}x | {run['ssd_read_bytes_per_step'] / MIB:.0f} "
             f"({run['param_read_bytes_per_step'] / MIB:.0f}) | {run['ssd_write_bytes_per_step'] / MIB:.0f} | "
@@ -140,6 +140,7 @@ def markdown(report: dict) -> str:
         lines.append(f"| {item['config']} | {item['micro_batches']} | {item.get('world_size', 1)} | "
                      f"{item['zero_infinity']:.6f} | "
                      f"{item['greedysnake']:.6f} | {item['relative_difference']:.1e} |")
+    lines += busy_table(report)
     lines += floor_table(report)
     gs_runs = [r for r in report["runs"] if r["engine"] == "greedysnake"]
     if gs_runs:
@@ -152,6 +153,41 @@ def markdown(report: dict) -> str:
                          + " | ".join(f"{r['seconds_by_op_mean'].get(op, 0.0):.2f}" for op in ops)
                          + f" | {r['optimizer_seconds_mean']:.2f} | {r['optimizer_wait_seconds_mean']:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def ranks_column(run: dict) -> str:
+    busy = run.get("busy_cores", 0)
+    return f"{run.get('world_size', 1)}" + (f", beside {busy} busy" if busy else "")
+
+
+def busy_table(report: dict) -> list:
+    """With --busy-cores: each engine's step alone and beside the busy processes, and the speed-up in both."""
+    busy = report.get("busy_cores", 0)
+    beside = [r for r in report["runs"] if r.get("busy_cores", 0)]
+    if not busy or not beside:
+        return []
+    lines = ["", f"Beside {busy} process(es) that each keep a core busy (`--busy-cores {busy}`), against the same "
+             "run alone just before it:", "",
+             "| config | M | ranks | engine | step s alone | step s beside | slow-down | speed-up alone | "
+             "speed-up beside |", "|---|---|---|---|---|---|---|---|---|"]
+
+    def matching(run, engine, busy_cores):
+        return next((r for r in report["runs"] if r["config"] == run["config"] and r["engine"] == engine
+                     and r["micro_batches"] == run["micro_batches"] and r.get("busy_cores", 0) == busy_cores
+                     and r.get("world_size", 1) == run.get("world_size", 1)), None)
+
+    for run in beside:
+        alone = matching(run, run["engine"], 0)
+        if alone is None:
+            continue
+        speedups = []
+        for busy_cores in (0, run["busy_cores"]):
+            gs, zi = matching(run, "greedysnake", busy_cores), matching(run, "zero_infinity", busy_cores)
+            speedups.append(f"{gs['tokens_per_second'] / zi['tokens_per_second']:.2f}x" if gs and zi else "-")
+        lines.append(f"| {run['config']} | {run['micro_batches']} | {run.get('world_size', 1)} | "
+                     f"{LABELS[run['engine']]} | {alone['step_seconds_median']:.2f} | {run['step_seconds_median']:.2f} | "
+                     f"{run['step_seconds_median'] / alone['step_seconds_median']:.2f}x | {speedups[0]} | {speedups[1]} |")
+    return lines
 
 
 def floor_table(report: dict) -> list:
@@ -224,7 +260,8 @@ def plot(report: dict, path: str) -> None:
     for axis, name in zip(axes[0], names):
         for engine, colour in (("zero_infinity", "tab:red"), ("greedysnake", "tab:blue")):
             runs = sorted((r for r in report["runs"] if r["config"] == name and r["engine"] == engine
-                           and r.get("world_size", 1) == 1), key=lambda r: r["global_batch"])
+                           and r.get("world_size", 1) == 1 and not r.get("busy_cores", 0)),
+                          key=lambda r: r["global_batch"])
             for run in report["runs"]:  # runs on several ranks: one marker each
                 if run["config"] == name and run["engine"] == engine and run.get("world_size", 1) > 1:
                     axis.plot([run["global_batch"]], [run["tokens_per_second"]], "s", color=colour, fillstyle="none",

@@ -115,6 +115,18 @@ def remove_shm_buffers(port: str) -> None:
             pass
 
 
+def run_job(name: str, command, env: Dict[str, str], port: str, timeout: float = 900):
+    """Run a child job (a driver script, alone or under a launcher) that uses ``port``; fail the test with the
+    end of its output unless it exits 0. DeepSpeed's shm buffers for the port are removed either way."""
+    import subprocess
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    finally:
+        remove_shm_buffers(port)
+    assert done.returncode == 0, f"{name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    return done
+
+
 def leave_lock_of_a_dead_build(build_folder) -> str:
     """A torch-extensions build lock as a build killed mid-way leaves it (torch's FileBaton: created
     with O_EXCL, held open until the build ends): made by a process that is gone, an hour ago."""

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from helpers import free_port, remove_shm_buffers
+from helpers import free_port, run_job
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -54,11 +54,7 @@ def run(tmp_path, name: str, mode: str, model: str, launcher: str = "python", wo
         command = [os.path.join(BIN, "accelerate"), "launch", "--num_processes", str(world_size), "--num_machines",
                    "1", "--use_deepspeed", "--deepspeed_config_file", str(config), "--main_process_port", port,
                    DRIVER, *driver_args, "--config-from-launcher"]
-    try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
-    finally:
-        remove_shm_buffers(port)
-    assert done.returncode == 0, f"{name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    run_job(name, command, env, port)
     return torch.load(str(out), weights_only=False)
 
 

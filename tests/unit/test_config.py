@@ -110,3 +110,22 @@ def test_worker_threads_default_depends_on_the_accelerator(monkeypatch):
     monkeypatch.setenv("LOCAL_SIZE", "8")
     assert worker_threads_for(default, "cuda") == 1
     assert worker_threads_for(parse_greedysnake_config({"greedysnake": {"optimizer_worker_threads": 3}}), "cuda") == 3
+
+
+def test_training_threads_are_the_cores_of_the_rank_less_the_workers(monkeypatch):
+    from ds_greedysnake.config import training_threads_for
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda _: set(range(2)))
+    monkeypatch.setenv("LOCAL_SIZE", "1")
+    default = parse_greedysnake_config({})
+    assert training_threads_for(default, "cpu") == 1  # 2 cores, one of them the worker's
+    inline = parse_greedysnake_config({"greedysnake": {"optimizer_overlap": False}})
+    assert training_threads_for(inline, "cpu") == 2  # no worker: Adam runs in the training process
+    monkeypatch.setattr("os.sched_getaffinity", lambda _: set(range(16)))
+    monkeypatch.setenv("LOCAL_SIZE", "2")
+    assert training_threads_for(default, "cuda") == 2  # 8 cores per rank, 6 of them the worker's
+    monkeypatch.setattr("os.sched_getaffinity", lambda _: {0})
+    assert training_threads_for(default, "cuda") == 1  # never none
+    assert training_threads_for(parse_greedysnake_config({"greedysnake": {"training_threads": 3}}), "cpu") == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert training_threads_for(default, "cpu") is None  # the user's choice stands
