@@ -91,8 +91,9 @@ class GreedySnakeConfig(DeepSpeedConfigModel):
     training_threads: Optional[int] = Field(None, ge=1)
     """Intra-op CPU threads of the training process (``torch.set_num_threads``, set at initialize and
     given back at ``engine.close()``). Default: the cores this rank may use (as for
-    ``optimizer_worker_threads``) less the optimizer worker's threads where the overlap runs it, at
-    least 1; unless ``OMP_NUM_THREADS`` is set, which is then left as it is. On the CPU accelerator
+    ``optimizer_worker_threads``) less the optimizer worker's threads, at least 1 (the same with the
+    overlap off, so that both give the same bits); unless ``OMP_NUM_THREADS`` is set, which is then
+    left as it is. On the CPU accelerator
     training computes on the cores the worker runs Adam on: torch's default (every core) has them
     spin against each other and against anything else on the machine (a data loader), which slowed
     a step 2.5x beside one busy core here (docs/ab_bench.md); with a GPU the training process only
@@ -148,8 +149,9 @@ def training_threads_for(config: GreedySnakeConfig, device_type: str) -> Optiona
         return config.training_threads
     if os.environ.get("OMP_NUM_THREADS"):
         return None
-    worker = worker_threads_for(config, device_type) if config.optimizer_overlap else 0
-    return max(1, cores_per_rank() - worker)
+    # Less the worker's threads even with the overlap off (Adam then runs here, elementwise, the same either
+    # way): the thread count changes the bits of reductions, and overlap on and off give the same bits.
+    return max(1, cores_per_rank() - worker_threads_for(config, device_type))
 
 
 def parse_greedysnake_config(ds_config: Dict[str, Any]) -> GreedySnakeConfig:

@@ -120,7 +120,7 @@ def test_training_threads_are_the_cores_of_the_rank_less_the_workers(monkeypatch
     default = parse_greedysnake_config({})
     assert training_threads_for(default, "cpu") == 1  # 2 cores, one of them the worker's
     inline = parse_greedysnake_config({"greedysnake": {"optimizer_overlap": False}})
-    assert training_threads_for(inline, "cpu") == 2  # no worker: Adam runs in the training process
+    assert training_threads_for(inline, "cpu") == 1  # the same threads, so the same bits, as with the overlap
     monkeypatch.setattr("os.sched_getaffinity", lambda _: set(range(16)))
     monkeypatch.setenv("LOCAL_SIZE", "2")
     assert training_threads_for(default, "cuda") == 2  # 8 cores per rank, 6 of them the worker's
