@@ -144,9 +144,13 @@ class GreedySnakeEngine(EngineBase):
         self._opened.callback(optimizer.close)
         # The layer computing and the ones being prefetched (with prefetch off, a fetch still needs two
         # at the turn, where layer L-2 stays with the head); one more for a lender resident with its
-        # borrower (tied embeddings: layer 0 stays with the head).
+        # borrower (tied embeddings: layer 0 stays with the head). Off the CPU one more again: a buffer is
+        # free once its copy to the device has run, and the read that takes it next starts right after the
+        # copy of the buffer given back last is enqueued; with a spare, that read takes the one given back a
+        # layer before, whose copy has run, instead of waiting on the host for the one just enqueued.
+        spare = 0 if self.layers[0].transfers.device_is_host else 1
         pool = BufferPool(param_store, max(layer.read_buffer_bytes for layer in self.layers),
-                          count=1 + prefetch_depth + (1 if split.ties else 0))
+                          count=1 + prefetch_depth + (1 if split.ties else 0) + spare)
         for layer in self.layers:
             trainable, frozen = self._initial_flat_weights(layer)
             shard = layer.layout.own_shard(trainable)

@@ -102,6 +102,8 @@ class Executor:
                     self.optimizer.update_layer(self.layers[op.layer], chosen, speculative)
                 else:
                     self._run(op, micro_batches, losses, output_grads)
+                # Gradient copies that have run since: their updates go to the worker now, without a wait.
+                self.optimizer.poll()
             seconds[op.kind.value] += time.perf_counter() - started
             if self.recorder.enabled:
                 self.recorder.span(op.kind.value, span_started, str(op))

@@ -177,6 +177,9 @@ class LayerwiseAdam(torch.optim.Optimizer):
         # Each layer's squared gradient norm of this step, where the gradient is (read once, at the decision).
         self._grad_sq_norms: List[Optional[Union[float, torch.Tensor]]] = self._no_norms()
         self._hand_overs: Dict[int, _HandOver] = {}  # gradients copied out, not yet waited for
+        # Updates whose gradient is still on its way to host memory: submitted, in order, once its copy is seen
+        # done (``poll``), or at the decision (layer, decision, speculative).
+        self._waiting_updates: List[Tuple[LayerOwner, StepDecision, bool]] = []
         self._speculative: Dict[int, Tuple[UpdateHandle, int, int]] = {}
         self._gradient_over_weights: Set[int] = set()  # one-slot layers whose file holds this step's gradient
         self._next_task_id = 0
@@ -272,11 +275,12 @@ class LayerwiseAdam(torch.optim.Optimizer):
 
         Off the CPU accelerator the copy goes on a transfer stream into registered memory and its squared
         norm is taken on the device; neither is waited for here, which would idle the device while the host
-        enqueues the next layer. The copy is waited for (and an SSD gradient written) when the next layer's
-        gradient arrives, before this layer's update is submitted, or at the step's decision: by then the
-        next layer's backward is queued on the device, which keeps working while the host waits."""
-        self._complete_hand_overs()  # the staging buffer of SSD gradients is free again
+        enqueues the next layer. The copy is completed (and an SSD gradient written) once ``poll`` sees it
+        done, between two ops of the schedule; the host waits for it only at the step's decision, or when
+        the next SSD gradient needs the staging buffer."""
         on_host = self.host.gradients.holds(layer.index)
+        if not on_host:
+            self._complete_hand_overs(on_ssd_only=True)  # the one staging buffer of SSD gradients is free again
         if on_host:
             host_grads = self.host.gradients.slot(layer.index, layer.shard_numel)
         else:
@@ -286,13 +290,22 @@ class LayerwiseAdam(torch.optim.Optimizer):
         self._grad_sq_norms[layer.index] = squared_norm_tensor(grads)
         self._hand_overs[layer.index] = _HandOver(layer, copied, not on_host)
 
-    def _complete_hand_overs(self, layer_index: Optional[int] = None) -> None:
-        """Wait for the gradient copies handed over (only ``layer_index``'s, when given) and write the SSD ones."""
-        indices = list(self._hand_overs) if layer_index is None else [layer_index]
-        for index in indices:
-            if index not in self._hand_overs:
-                continue  # completed already
-            hand_over = self._hand_overs.pop(index)
+    def poll(self) -> None:
+        """Between two ops: complete the hand-overs whose copy has run (no wait), then submit the updates
+        waiting for them, in order."""
+        self._complete_hand_overs(done_only=True)
+        while self._waiting_updates and self._waiting_updates[0][0].index not in self._hand_overs:
+            self._submit_update(*self._waiting_updates.pop(0))
+
+    def _complete_hand_overs(self, done_only: bool = False, on_ssd_only: bool = False) -> None:
+        """Complete the gradient copies handed over and write the SSD ones: those whose copy has run
+        (``done_only``), the SSD ones (``on_ssd_only``), or all. Newest first when waiting: the copies run in
+        order on one stream, so once the newest ran, the older ones are seen done."""
+        for index in reversed(list(self._hand_overs)):
+            hand_over = self._hand_overs[index]
+            if (done_only and not hand_over.copied.done()) or (on_ssd_only and not hand_over.on_ssd):
+                continue
+            del self._hand_overs[index]
             hand_over.copied.wait()
             if hand_over.on_ssd:
                 layer = hand_over.layer
@@ -313,6 +326,8 @@ class LayerwiseAdam(torch.optim.Optimizer):
         missing = [index for index, value in enumerate(self._grad_sq_norms) if value is None]
         assert not missing, f"layers {missing} handed no gradient this step"
         self._complete_hand_overs()
+        while self._waiting_updates:  # speculative: submitted now, committed or discarded below
+            self._submit_update(*self._waiting_updates.pop(0))
         # Each rank holds a shard of every gradient: the squared norms add up over ranks (in layer order).
         norm = math.sqrt(self.parallel.sum(sum(self._read_norms())))
         self._grad_sq_norms = self._no_norms()
@@ -333,8 +348,17 @@ class LayerwiseAdam(torch.optim.Optimizer):
         return StepDecision(self.step_count, coefficient, norm, skipped, self._hyper())
 
     def update_layer(self, layer: LayerOwner, decision: StepDecision, speculative: bool) -> None:
-        """Submit the per-layer part: Adam on the committed slot, results into the other slots (or in place)."""
-        self._complete_hand_overs(layer.index)  # the update reads the gradient from host memory or SSD
+        """Submit the per-layer part: Adam on the committed slot, results into the other slots (or in place).
+        An update whose gradient copy has not run yet waits for ``poll`` (or the decision) to be submitted,
+        behind any waiting before it: the host does not wait for the device here."""
+        if self._waiting_updates or layer.index in self._hand_overs:
+            self._waiting_updates.append((layer, decision, speculative))
+            self.poll()
+            return
+        self._submit_update(layer, decision, speculative)
+
+    def _submit_update(self, layer: LayerOwner, decision: StepDecision, speculative: bool) -> None:
+        assert layer.index not in self._hand_overs, f"layer {layer.index}'s update submitted before its gradient"
         if layer.in_place:
             # In place, no going back: only after the decision (which has checked every gradient for
             # non-finite values first), and with no read of the layer in flight.
@@ -405,6 +429,7 @@ class LayerwiseAdam(torch.optim.Optimizer):
             except Exception:
                 pass
         self._hand_overs.clear()
+        self._waiting_updates.clear()
         self._speculative.clear()
         for index in sorted(self._gradient_over_weights):
             try:
@@ -414,6 +439,7 @@ class LayerwiseAdam(torch.optim.Optimizer):
 
     def flush(self) -> None:
         """Wait for every submitted update (before reading states or parameters from outside)."""
+        assert not self._waiting_updates, "updates still waiting for their gradient outside a step"
         self.updater.drain()
 
     def read_master(self, layer: LayerOwner) -> torch.Tensor:

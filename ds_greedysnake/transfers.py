@@ -12,7 +12,10 @@ On a GPU every host<->device copy the engine makes goes through ``Transfers``:
   readable, and ``device`` may be freed, once it completed. The guard keeps ``device`` alive until
   then, so the caching allocator cannot hand its memory to new compute while the copy still reads it.
   At most ``max_pending_to_host`` such copies are left pending: one more waits for the oldest first,
-  which bounds the device memory held by copies in flight, whatever the number of micro-batches.
+  which bounds the device memory held by copies in flight, whatever the number of micro-batches. It is
+  also how far the host may run ahead of the device's outbound copies before it waits: with 2 the host
+  waited on nearly every micro-batch's checkpoint (the device is always a little behind), so it is 4
+  (``PENDING_TO_HOST``): four checkpoints or gradients of device memory at most.
 * A copy into or from a host buffer waits, on the device, for the last copy in the other direction
   that touched it: a buffer is never rewritten while a copy reads it, nor read while one writes it.
 
@@ -105,6 +108,7 @@ class Guard:
 
 
 COMPLETE = Guard()
+PENDING_TO_HOST = 4  # copies to the host in flight before the host waits for the oldest (module docstring)
 
 
 class Transfers:
@@ -112,7 +116,7 @@ class Transfers:
     the host."""
 
     def __init__(self, device: torch.device, streams: Optional[AcceleratorStreams] = None,
-                 max_pending_to_host: int = 2):
+                 max_pending_to_host: int = PENDING_TO_HOST):
         self.device = device
         self._streams = streams
         self._max_pending_to_host = max_pending_to_host

@@ -1,13 +1,16 @@
 """How often the host waits on the device in one step: the engine's step run on the CPU through a recording
-double of the accelerator's streams. Reads of device values (losses, gradient norms) are two per step
-whatever the number of layers and micro-batches; waits on copy events are counted too (``event_waits``),
-and are not yet bounded (issue 30: the update's hand-over and the parameter pool still wait per layer).
+double of the accelerator's streams. Reads of device values (losses, gradient norms) are two per step and
+waits on copy events one (the decision's, for the last gradient handed over), whatever the number of layers
+and micro-batches: updates are submitted once their gradient's copy is seen done (``LayerwiseAdam.poll``),
+the parameter pool has a spare buffer off the CPU, and four copies to the host may be in flight.
 
 The double copies at once (so the results are the real ones) but models a device that runs behind the host:
-an event completes only once ``LAG`` later events have been recorded after it (the host has queued that much
-more work). A host wait on an event that has not completed (``Guard.wait`` on the latest work, the way a
-``float()`` of a fresh device scalar drains the queue) is counted, and so is every read of device values
-(``Transfers.read_values``). The step itself must still give the weights of the plain CPU path, bitwise."""
+an event completes once ``LAG`` later events have been recorded after it (the host has queued that much
+more work), and a device runs its work in order: once the host has waited for an event, or read device
+values, everything recorded before has completed too. A host wait on an event that has not completed
+(``Guard.wait``) is counted, and so is every read of device values (``Transfers.read_values``). Reverting
+any one of the three changes makes the waits grow with L or M (5 and 9 at L = 4 and 8). The step itself
+must still give the weights of the plain CPU path, bitwise."""
 import contextlib
 import os
 
@@ -21,11 +24,12 @@ from ds_greedysnake.models.gpt import GPTConfig, lm_loss
 from helpers import data, ds_config, fresh_model
 
 
-def make_engine(nvme_path, num_micro_batches, num_layers):
+def make_engine(nvme_path, num_micro_batches, num_layers, greedysnake=None):
     os.makedirs(nvme_path, exist_ok=True)
     config = GPTConfig(vocab_size=256, seq_len=16, hidden=128, num_heads=4, num_layers=num_layers)
-    engine, _, _, _ = ds_greedysnake.initialize(model=fresh_model(config), config=ds_config(nvme_path, num_micro_batches),
-                                                loss_fn=lm_loss)
+    engine, _, _, _ = ds_greedysnake.initialize(
+        model=fresh_model(config), config=ds_config(nvme_path, num_micro_batches, greedysnake=greedysnake),
+        loss_fn=lm_loss)
     return engine, data(config)
 
 pytestmark = pytest.mark.slow
@@ -43,13 +47,14 @@ class LaggingEvent:
         self.serial = self._device.next_serial()
 
     def query(self):
-        if not self.completed and self._device.serial - self.serial >= LAG:
+        if not self.completed and (self._device.serial - self.serial >= LAG or self.serial <= self._device.ran_to):
             self.completed = True
         return self.completed
 
     def synchronize(self):
         if not self.query():
             self._device.event_waits += 1
+            self._device.ran_to = max(self._device.ran_to, self.serial)  # a device runs its work in order
             self.completed = True
 
 
@@ -63,6 +68,7 @@ class RecordingDevice:
 
     def __init__(self):
         self.serial = 0
+        self.ran_to = 0       # every event up to this one has completed (the host waited for it)
         self.host_waits = 0   # reads of device values
         self.event_waits = 0  # waits on an event the lagging device has not reached
         self.inbound, self.outbound, self.compute = LaggingStream(), LaggingStream(), LaggingStream()
@@ -87,34 +93,39 @@ class RecordingDevice:
 
     def read_values(self, tensor):
         self.host_waits += 1
+        self.ran_to = self.serial  # the read waited for everything queued so far
         return tensor.tolist()
 
 
-def _waits_in_one_step(tmp_path, monkeypatch, num_layers, num_micro_batches):
+def _waits_in_one_step(tmp_path, monkeypatch, num_layers, num_micro_batches, greedysnake=None):
     device = RecordingDevice()
     simulated = Transfers(torch.device("cpu"), device)
     monkeypatch.setattr(Transfers, "for_device", classmethod(lambda cls, _device: simulated))
     monkeypatch.setattr(transfers_module, "_INSTANCES", {})
-    engine, batches = make_engine(str(tmp_path / f"l{num_layers}_m{num_micro_batches}"), num_micro_batches, num_layers)
+    engine, batches = make_engine(str(tmp_path / f"l{num_layers}_m{num_micro_batches}"), num_micro_batches, num_layers,
+                                  greedysnake)
     try:
         engine.train_batch(batches)  # the first step sizes its buffers
-        before = device.host_waits
+        reads, waits = device.host_waits, device.event_waits
         engine.train_batch(batches)
-        return device.host_waits - before, engine.master_parameters()
+        return (device.host_waits - reads, device.event_waits - waits), engine.master_parameters()
     finally:
         engine.close()
 
 
-def test_reads_of_device_values_per_step_do_not_grow_with_layers_or_micro_batches(tmp_path, monkeypatch):
+def test_host_waits_per_step_do_not_grow_with_layers_or_micro_batches(tmp_path, monkeypatch):
     counts = {(layers, micro): _waits_in_one_step(tmp_path, monkeypatch, layers, micro)[0]
               for layers in (4, 8) for micro in (1, 8)}
-    assert set(counts.values()) == {2}, counts  # every micro-batch's loss in one read, every layer's norm in one
+    # Every micro-batch's loss in one read, every layer's norm in one; one wait, for the last gradient's copy.
+    assert set(counts.values()) == {(2, 1)}, counts
 
 
-def test_the_simulated_device_path_gives_the_cpu_path_weights(tmp_path, monkeypatch):
-    _, simulated = _waits_in_one_step(tmp_path, monkeypatch, 4, 2)
+@pytest.mark.parametrize("greedysnake", [None, {"gradient_host_memory_mb": 0, "optimizer_host_memory_mb": 0}],
+                         ids=["host slots", "gradients and states through SSD"])
+def test_the_simulated_device_path_gives_the_cpu_path_weights(tmp_path, monkeypatch, greedysnake):
+    _, simulated = _waits_in_one_step(tmp_path, monkeypatch, 4, 2, greedysnake)
     monkeypatch.undo()
-    engine, batches = make_engine(str(tmp_path / "plain"), 2, 4)
+    engine, batches = make_engine(str(tmp_path / "plain"), 2, 4, greedysnake)
     try:
         for _ in range(2):
             engine.train_batch(batches)
