@@ -141,7 +141,7 @@ class _HandOver:
     """A layer's gradient on its way to host memory: its copy enqueued, not yet waited for."""
     layer: LayerOwner
     copied: Guard
-    on_ssd: bool       # written to SSD from the staging buffer once copied
+    staging: Optional[torch.Tensor]  # for a gradient through SSD: the buffer it is written from once copied
 
 
 class LayerwiseAdam(torch.optim.Optimizer):
@@ -230,8 +230,11 @@ class LayerwiseAdam(torch.optim.Optimizer):
                                   if settings.overlap and ssd_pieces else 0)
         self._state_buffer = (store.buffer(padded_size(12 * sizes.largest_ssd_state_piece_numel))
                               if sizes.largest_ssd_state_piece_numel else None)
-        self._grad_buffer = (store.buffer(padded_size(4 * sizes.largest_ssd_grad_numel))
-                             if sizes.largest_ssd_grad_numel else None)
+        # Staging for gradients through SSD; off the CPU two, so that a layer's gradient copy does not wait on the
+        # host for the one before it (on the CPU accelerator a copy is done when it returns).
+        staging = 1 if self._layers[0].transfers.device_is_host else 2
+        self._grad_buffers = [store.buffer(padded_size(4 * sizes.largest_ssd_grad_numel))
+                              for _ in range(staging if sizes.largest_ssd_grad_numel else 0)]
         if settings.overlap:
             return WorkerUpdater(store.counters, store.folder, store.ds_config, hyper, adamw_mode,
                                  sizes._replace(read_ahead_pieces=self.read_ahead_pieces), settings.worker_threads,
@@ -277,18 +280,29 @@ class LayerwiseAdam(torch.optim.Optimizer):
         norm is taken on the device; neither is waited for here, which would idle the device while the host
         enqueues the next layer. The copy is completed (and an SSD gradient written) once ``poll`` sees it
         done, between two ops of the schedule; the host waits for it only at the step's decision, or when
-        the next SSD gradient needs the staging buffer."""
-        on_host = self.host.gradients.holds(layer.index)
-        if not on_host:
-            self._complete_hand_overs(on_ssd_only=True)  # the one staging buffer of SSD gradients is free again
-        if on_host:
+        an SSD gradient finds both staging buffers in use."""
+        staging = None
+        if self.host.gradients.holds(layer.index):
             host_grads = self.host.gradients.slot(layer.index, layer.shard_numel)
         else:
             # On SSD in the accumulation dtype: under bf16 accumulation the update's fp32 cast of it is exact.
-            host_grads = self._grad_buffer[:self.layout.layers[layer.index].gradient_bytes].view(self._gradient_dtype)
+            staging = self._free_staging_buffer()
+            host_grads = staging[:self.layout.layers[layer.index].gradient_bytes].view(self._gradient_dtype)
         copied = layer.transfers.to_host(grads, host_grads)
         self._grad_sq_norms[layer.index] = squared_norm_tensor(grads)
-        self._hand_overs[layer.index] = _HandOver(layer, copied, not on_host)
+        self._hand_overs[layer.index] = _HandOver(layer, copied, staging)
+
+    def _free_staging_buffer(self) -> torch.Tensor:
+        """A staging buffer no gradient copy in flight writes into; when both are, the older copy is waited for
+        and its gradient written to SSD."""
+        held = [hand_over.staging for hand_over in self._hand_overs.values() if hand_over.staging is not None]
+        free = [buffer for buffer in self._grad_buffers if all(buffer is not other for other in held)]
+        if free:
+            return free[0]
+        oldest = next(index for index, hand_over in self._hand_overs.items() if hand_over.staging is not None)
+        buffer = self._hand_overs[oldest].staging
+        self._complete_hand_over(oldest)
+        return buffer
 
     def poll(self) -> None:
         """Between two ops: complete the hand-overs whose copy has run (no wait), then submit the updates
@@ -297,24 +311,27 @@ class LayerwiseAdam(torch.optim.Optimizer):
         while self._waiting_updates and self._waiting_updates[0][0].index not in self._hand_overs:
             self._submit_update(*self._waiting_updates.pop(0))
 
-    def _complete_hand_overs(self, done_only: bool = False, on_ssd_only: bool = False) -> None:
-        """Complete the gradient copies handed over and write the SSD ones: those whose copy has run
-        (``done_only``), the SSD ones (``on_ssd_only``), or all. Newest first when waiting: the copies run in
-        order on one stream, so once the newest ran, the older ones are seen done."""
-        for index in reversed(list(self._hand_overs)):
-            hand_over = self._hand_overs[index]
-            if (done_only and not hand_over.copied.done()) or (on_ssd_only and not hand_over.on_ssd):
-                continue
-            del self._hand_overs[index]
-            hand_over.copied.wait()
-            if hand_over.on_ssd:
-                layer = hand_over.layer
-                if self.layout.layers[index].gradient_in_parameter_file:
-                    # Over the layer's weights on SSD: read by nobody until its update (or a recast) writes new
-                    # ones, since this step reads the layer no more (its backward is done).
-                    layer.weights_hold_gradient = True
-                    self._gradient_over_weights.add(index)
-                self._store.write(self._grad_regions[index], self._grad_buffer)
+    def _complete_hand_overs(self, done_only: bool = False) -> None:
+        """Complete the gradient copies handed over (only those whose copy has run, ``done_only``) and write the
+        SSD ones. Newest first when waiting: the copies run in order on one stream, so once the newest ran,
+        the older ones are seen done; the SSD writes then go oldest first."""
+        ready = [index for index in reversed(list(self._hand_overs))
+                 if not done_only or self._hand_overs[index].copied.done()]
+        if ready and not done_only:
+            self._hand_overs[ready[0]].copied.wait()
+        for index in reversed(ready):
+            self._complete_hand_over(index)
+
+    def _complete_hand_over(self, index: int) -> None:
+        hand_over = self._hand_overs.pop(index)
+        hand_over.copied.wait()
+        if hand_over.staging is not None:
+            if self.layout.layers[index].gradient_in_parameter_file:
+                # Over the layer's weights on SSD: read by nobody until its update (or a recast) writes new
+                # ones, since this step reads the layer no more (its backward is done).
+                hand_over.layer.weights_hold_gradient = True
+                self._gradient_over_weights.add(index)
+            self._store.write(self._grad_regions[index], hand_over.staging)
 
     def provisional_decision(self) -> StepDecision:
         """What the decision will be if every gradient turns out finite (valid without clipping)."""

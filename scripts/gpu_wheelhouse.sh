@@ -11,7 +11,8 @@
 # - deepspeed 0.19.8 as a wheel built here from its sdist with DS_BUILD_OPS=0 (pure python; the ops are
 #   built there by gpu_check.sh's set-up, for both accelerators);
 # - its requirements the image lacks: pydantic, pydantic-core (binary), annotated-types, typing-inspection,
-#   typing-extensions (pydantic's floor may be above the image's), hjson;
+#   typing-extensions (pydantic's floor may be above the image's), hjson, and einops, msgpack (binary),
+#   py-cpuinfo, which the image's list does not name (pip keeps the image's own where it has them);
 # - transformers 5.24.0 (setup.py's pin; the image has 5.17.0; its needs, huggingface-hub>=1.31 and
 #   tokenizers>=0.23.1,<0.24, are met by the image's 1.33.0 and 0.23.2) and peft 0.21.2 (pinned; the
 #   image's version is not known);
@@ -31,7 +32,7 @@ PEFT="$(sed -n 's/.*"peft==\([0-9.]*\)".*/\1/p' "$REPO/setup.py")"
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYTHON_VERSION" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d "$DIR" "transformers==$TRANSFORMERS" "peft==$PEFT" pydantic pydantic-core annotated-types \
-    typing-inspection typing-extensions hjson setuptools
+    typing-inspection typing-extensions hjson einops msgpack py-cpuinfo setuptools
 # pydantic pins its core exactly: keep the core that the downloaded pydantic asks for.
 core="$(unzip -p "$DIR"/pydantic-[0-9]*.whl '*/METADATA' | sed -n 's/^Requires-Dist: pydantic-core==\([0-9.]*\).*/\1/p')"
 if ! ls "$DIR"/pydantic_core-"$core"-*.whl >/dev/null 2>&1; then

@@ -2,15 +2,16 @@
 double of the accelerator's streams. Reads of device values (losses, gradient norms) are two per step and
 waits on copy events one (the decision's, for the last gradient handed over), whatever the number of layers
 and micro-batches: updates are submitted once their gradient's copy is seen done (``LayerwiseAdam.poll``),
-the parameter pool has a spare buffer off the CPU, and four copies to the host may be in flight.
+the parameter pool has a spare buffer off the CPU, gradients through SSD have two staging buffers there,
+and four copies to the host may be in flight; with the gradients in host slots and through SSD.
 
 The double copies at once (so the results are the real ones) but models a device that runs behind the host:
 an event completes once ``LAG`` later events have been recorded after it (the host has queued that much
 more work), and a device runs its work in order: once the host has waited for an event, or read device
 values, everything recorded before has completed too. A host wait on an event that has not completed
 (``Guard.wait``) is counted, and so is every read of device values (``Transfers.read_values``). Reverting
-any one of the three changes makes the waits grow with L or M (5 and 9 at L = 4 and 8). The step itself
-must still give the weights of the plain CPU path, bitwise."""
+any one of these changes makes the waits grow with L or M (5 and 9, or 6 and 10 through SSD, at L = 4
+and 8). The step itself must still give the weights of the plain CPU path, bitwise."""
 import contextlib
 import os
 
@@ -113,15 +114,19 @@ def _waits_in_one_step(tmp_path, monkeypatch, num_layers, num_micro_batches, gre
         engine.close()
 
 
-def test_host_waits_per_step_do_not_grow_with_layers_or_micro_batches(tmp_path, monkeypatch):
-    counts = {(layers, micro): _waits_in_one_step(tmp_path, monkeypatch, layers, micro)[0]
+PLACEMENTS = [None, {"gradient_host_memory_mb": 0, "optimizer_host_memory_mb": 0}]
+PLACEMENT_IDS = ["host slots", "gradients and states through SSD"]
+
+
+@pytest.mark.parametrize("greedysnake", PLACEMENTS, ids=PLACEMENT_IDS)
+def test_host_waits_per_step_do_not_grow_with_layers_or_micro_batches(tmp_path, monkeypatch, greedysnake):
+    counts = {(layers, micro): _waits_in_one_step(tmp_path, monkeypatch, layers, micro, greedysnake)[0]
               for layers in (4, 8) for micro in (1, 8)}
     # Every micro-batch's loss in one read, every layer's norm in one; one wait, for the last gradient's copy.
     assert set(counts.values()) == {(2, 1)}, counts
 
 
-@pytest.mark.parametrize("greedysnake", [None, {"gradient_host_memory_mb": 0, "optimizer_host_memory_mb": 0}],
-                         ids=["host slots", "gradients and states through SSD"])
+@pytest.mark.parametrize("greedysnake", PLACEMENTS, ids=PLACEMENT_IDS)
 def test_the_simulated_device_path_gives_the_cpu_path_weights(tmp_path, monkeypatch, greedysnake):
     _, simulated = _waits_in_one_step(tmp_path, monkeypatch, 4, 2, greedysnake)
     monkeypatch.undo()
