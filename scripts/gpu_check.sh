@@ -97,9 +97,9 @@ if [ -n "$WHEELHOUSE" ]; then
     PY="${GPU_CHECK_PYTHON:-python3}"  # the machine's own, with its torch
     log "installing from $WHEELHOUSE into $("$PY" -c 'import sys; print(sys.prefix)')"
     # What the check runs on, pinned as setup.py pins it, with what they need from DIR or the image; then this
-    # package without its other requirements (scipy for the planner, matplotlib for plots, pytest for the
-    # tests: the check uses none of them, and the image may lack them).
-    pins=$(grep -oE '"(deepspeed|transformers|peft)==[0-9.]+"' setup.py | tr -d '"' | tr '\n' ' ')
+    # package without its other requirements (scipy for the planner, matplotlib for plots: the check uses
+    # neither, and the image may lack them). pytest: the parity stage imports the parity test's module.
+    pins="$(grep -oE '"(deepspeed|transformers|peft)==[0-9.]+"' setup.py | tr -d '"' | tr '\n' ' ') pytest"
     # shellcheck disable=SC2086
     { "$PY" -m pip install --no-index --find-links "$WHEELHOUSE" --no-compile $pins \
         && "$PY" -m pip install --no-index --find-links "$WHEELHOUSE" --no-compile --no-deps -e .; } \

@@ -16,7 +16,10 @@
 # - transformers 5.24.0 (setup.py's pin; the image has 5.17.0; its needs, huggingface-hub>=1.31 and
 #   tokenizers>=0.23.1,<0.24, are met by the image's 1.33.0 and 0.23.2) and peft 0.21.2 (pinned; the
 #   image's version is not known);
-# - setuptools, so that `pip install -e .` builds in its isolated environment from DIR alone;
+# - setuptools, wheel and packaging (wheel's), so that `pip install -e .` builds in its isolated environment
+#   from DIR alone (pip before 24 asks for wheel too for a project without pyproject.toml: the dry run of
+#   2026-12-02 failed on it);
+# - pytest, pluggy, iniconfig: the parity stage runs tests/e2e/test_parity.py's training, which imports pytest;
 # - libaio1 and libaio-dev as .deb files (this Debian release's; the library is plain C on glibc), which
 #   gpu_check.sh unpacks with dpkg -x into a prefix of its own.
 set -euo pipefail
@@ -32,7 +35,8 @@ PEFT="$(sed -n 's/.*"peft==\([0-9.]*\)".*/\1/p' "$REPO/setup.py")"
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYTHON_VERSION" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d "$DIR" "transformers==$TRANSFORMERS" "peft==$PEFT" pydantic pydantic-core annotated-types \
-    typing-inspection typing-extensions hjson einops msgpack py-cpuinfo setuptools
+    typing-inspection typing-extensions hjson einops msgpack py-cpuinfo setuptools wheel packaging pytest pluggy \
+    iniconfig
 # pydantic pins its core exactly: keep the core that the downloaded pydantic asks for.
 core="$(unzip -p "$DIR"/pydantic-[0-9]*.whl '*/METADATA' | sed -n 's/^Requires-Dist: pydantic-core==\([0-9.]*\).*/\1/p')"
 if ! ls "$DIR"/pydantic_core-"$core"-*.whl >/dev/null 2>&1; then
