@@ -85,6 +85,28 @@ def parity(args) -> None:
                       "micro_batches": NUM_MICRO_BATCHES, "seconds": time.perf_counter() - started})
 
 
+def _train_counting_syncs(engine, batches, on_gpu: bool) -> dict:
+    """One train_batch; on a GPU under torch's sync debug mode, the synchronizing CUDA calls it made (each one
+    a host wait: the engine means to make two, the reads of the losses and the norms), by call site."""
+    import warnings
+    import torch
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if on_gpu:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            engine.train_batch(batches)
+        finally:
+            if on_gpu:
+                torch.cuda.set_sync_debug_mode(0)
+    sites: dict = {}
+    for warning in caught:
+        if "synchroniz" in str(warning.message):
+            site = f"{os.path.relpath(warning.filename, REPO)}:{warning.lineno}"
+            sites[site] = sites.get(site, 0) + 1
+    return sites
+
+
 def profile(args) -> None:
     import torch
     from torch.profiler import ProfilerActivity
@@ -113,7 +135,7 @@ def profile(args) -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     with torch.profiler.profile(activities=activities) as prof:
         step_started = time.perf_counter()
-        engine.train_batch(batches)
+        synchronizing = _train_counting_syncs(engine, batches, on_gpu)
         accelerator.synchronize()
         step_seconds = time.perf_counter() - step_started
     os.makedirs(os.path.dirname(os.path.abspath(args.trace)), exist_ok=True)
@@ -136,6 +158,7 @@ def profile(args) -> None:
                       "copy_ms": overlap["copy_us"] / 1e3, "fetches_expected": overlap["fetches_expected"],
                       "fetches_matched": overlap["fetches_matched"], "kernels": overlap["kernels"],
                       "copies": overlap["copies"], "note": note, "trace": args.trace,
+                      "synchronizing_calls": synchronizing,
                       "seconds": time.perf_counter() - started})
 
 
@@ -252,6 +275,10 @@ def _markdown(summary: dict) -> str:
             share = "" if copy["hidden_share"] is None else "{:.0f}%".format(100 * copy["hidden_share"])
             lines.append(f"| {copy['fetch']} | {copy['layer']} | {copy['bytes'] / 1e6:.1f} | {copy['duration_us'] / 1e3:.2f} "
                          f"| {share} |")
+    if prof is not None and "synchronizing_calls" in prof:
+        calls = prof["synchronizing_calls"]
+        lines += ["", f"profiled step: {sum(calls.values())} synchronizing CUDA calls (torch's sync debug mode; the "
+                  "engine means to make 2)" + "".join(f"; {count} at {site}" for site, count in sorted(calls.items()))]
     if prof is not None and prof.get("note"):
         lines += ["", f"profile: {prof['note']}"]
     return "\n".join(lines) + "\n"

@@ -70,3 +70,15 @@ def test_the_report_gives_the_lora_row_and_each_step_against_its_floor(tmp_path)
     report = (tmp_path / "report.md").read_text()
     assert "LoRA M=8: greedysnake 0.300 s/step, ZeRO-Infinity 2.100 s/step (7.00x)" in report
     assert "| lora | 8 | 0.300 | 0.120 | 0.240 | 0.001 | 1.25x |" in report
+
+
+def test_the_report_counts_the_profiled_steps_synchronizing_calls(tmp_path):
+    (tmp_path / "stages.json").write_text(json.dumps({"profile": {"exit": 0, "seconds": 30}}))
+    (tmp_path / "setup.json").write_text(json.dumps({"dry_run": False, "environment": {"accelerator": "cuda"}}))
+    (tmp_path / "profile.json").write_text(json.dumps({
+        "hidden_share": 0.9, "copy_ms": 12.0, "copies": [], "note": "",
+        "synchronizing_calls": {"ds_greedysnake/transfers.py:61": 2, "ds_greedysnake/layer.py:300": 4}}))
+    gpu_check.main(["report", str(tmp_path)])
+    report = (tmp_path / "report.md").read_text()
+    assert ("profiled step: 6 synchronizing CUDA calls (torch's sync debug mode; the engine means to make 2); "
+            "4 at ds_greedysnake/layer.py:300; 2 at ds_greedysnake/transfers.py:61") in report
