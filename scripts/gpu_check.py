@@ -87,7 +87,7 @@ def parity(args) -> None:
 
 def _train_counting_syncs(engine, batches, on_gpu: bool) -> dict:
     """One train_batch; on a GPU under torch's sync debug mode, the synchronizing CUDA calls it made (each one
-    a host wait: the engine means to make two, the reads of the losses and the norms), by call site."""
+    a host wait: the reads of the losses and the norms at least), by call site."""
     import warnings
     import torch
     with warnings.catch_warnings(record=True) as caught:
@@ -277,8 +277,8 @@ def _markdown(summary: dict) -> str:
                          f"| {share} |")
     if prof is not None and "synchronizing_calls" in prof:
         calls = prof["synchronizing_calls"]
-        lines += ["", f"profiled step: {sum(calls.values())} synchronizing CUDA calls (torch's sync debug mode; the "
-                  "engine means to make 2)" + "".join(f"; {count} at {site}" for site, count in sorted(calls.items()))]
+        lines += ["", f"profiled step: {sum(calls.values())} synchronizing CUDA calls (torch's sync debug mode, each "
+                  "a host wait)" + "".join(f"; {count} at {site}" for site, count in sorted(calls.items()))]
     if prof is not None and prof.get("note"):
         lines += ["", f"profile: {prof['note']}"]
     return "\n".join(lines) + "\n"

@@ -80,5 +80,5 @@ def test_the_report_counts_the_profiled_steps_synchronizing_calls(tmp_path):
         "synchronizing_calls": {"ds_greedysnake/transfers.py:61": 2, "ds_greedysnake/layer.py:300": 4}}))
     gpu_check.main(["report", str(tmp_path)])
     report = (tmp_path / "report.md").read_text()
-    assert ("profiled step: 6 synchronizing CUDA calls (torch's sync debug mode; the engine means to make 2); "
+    assert ("profiled step: 6 synchronizing CUDA calls (torch's sync debug mode, each a host wait); "
             "4 at ds_greedysnake/layer.py:300; 2 at ds_greedysnake/transfers.py:61") in report
