@@ -13,6 +13,7 @@ import os
 from typing import Any, Callable, Dict, Optional
 
 import torch
+from deepspeed.accelerator import get_accelerator
 
 from .config import parse_greedysnake_config
 from .deepspeed_compat import deepspeed_initialize_routed
@@ -32,8 +33,7 @@ def count_ranks_on_the_cpu() -> None:
     every rank would get the whole dataset and save its RNG state under rank 0's name. Under DeepSpeed on
     the CPU, the counts are taken from torch.distributed (for greedysnake and for ZeRO-Infinity alike).
     """
-    from accelerate.state import PartialState
-    from deepspeed.accelerator import get_accelerator
+    from accelerate.state import PartialState  # accelerate only where it is used
     if get_accelerator().device_name() != "cpu" or not torch.distributed.is_initialized():
         return
     state = PartialState()

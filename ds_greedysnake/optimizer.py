@@ -369,8 +369,7 @@ class LayerwiseAdam(torch.optim.Optimizer):
         An update whose gradient copy has not run yet waits for ``poll`` (or the decision) to be submitted,
         behind any waiting before it: the host does not wait for the device here."""
         if self._waiting_updates or layer.index in self._hand_overs:
-            self._waiting_updates.append((layer, decision, speculative))
-            self.poll()
+            self._waiting_updates.append((layer, decision, speculative))  # the executor polls after this op
             return
         self._submit_update(layer, decision, speculative)
 
