@@ -18,4 +18,8 @@ setup(
     # its save_pretrained, checked against this release.
     install_requires=["deepspeed==0.19.8", "torch>=2.5", "numpy", "pytest", "matplotlib", "scipy>=1.10",
                       "transformers==5.24.0", "accelerate==1.15.0", "peft==0.21.2", "tqdm", "safetensors"],
+    # trl is pinned, and optional: GreedySnakeSFTTrainer (sft_trainer.py, trl_sft.py) runs SFTTrainer's loss
+    # through trl's fused-LM-head kernel and reads its metric lists, checked against this release. The set-up
+    # (scripts/setup.sh) installs it, so the suite tests it; it brings datasets, pandas and pyarrow.
+    extras_require={"trl": ["trl==1.16.0"]},
 )

@@ -2,6 +2,7 @@
 from .accelerate_prepare import prepare
 from .config import GreedySnakeConfig, GreedySnakeConfigError
 from .initialize import initialize
+from .micro_batch import LossWithMetrics
 from .model_split import ModelSplitError
 from .pretrained import PretrainedWeightsError, from_pretrained
 from .weights import WeightsAccessError
@@ -10,6 +11,7 @@ from .zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_dict, get_fp32_
 
 __all__ = ["initialize", "prepare", "from_pretrained", "GreedySnakeConfig", "GreedySnakeConfigError", "ModelSplitError",
            "PretrainedWeightsError", "WeightsAccessError", "GreedySnakeTrainer", "GreedySnakeTrainerMixin",
+           "GreedySnakeSFTTrainer", "LossWithMetrics",
            "get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_fp32_state_dict",
            "load_state_dict_from_zero_checkpoint"]
 __version__ = "0.1.0"
@@ -22,4 +24,7 @@ def __getattr__(name):
     if name in _HF_TRAINER_NAMES:
         from . import hf_trainer
         return getattr(hf_trainer, name)
+    if name == "GreedySnakeSFTTrainer":  # needs trl: ds_greedysnake[trl]
+        from .sft_trainer import GreedySnakeSFTTrainer
+        return GreedySnakeSFTTrainer
     raise AttributeError(f"module 'ds_greedysnake' has no attribute {name!r}")

@@ -3,7 +3,7 @@ import contextlib
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 from deepspeed import comm as dist
@@ -17,6 +17,7 @@ from .executor import Executor, StepResult
 from .export import write_hf_checkpoint, write_peft_adapters
 from .io_trace import IoTrace
 from .layer import BufferPool, LayerOwner, Residency
+from .micro_batch import check_inputs, to_device, token_count
 from .parallel import DataParallel
 from .model_split import peft_base_model, plan_split
 from .optimizer import LayerwiseAdam, OptimizerSettings
@@ -95,6 +96,9 @@ class GreedySnakeEngine(EngineBase):
         self._opened = contextlib.ExitStack()
         self.io_counters = IoCounters()
         self.last_step_metrics: Optional[StepMetrics] = None
+        # Per micro-batch of the last train_batch or eval_batch, what loss_fn returned beside the loss
+        # (micro_batch.LossWithMetrics), each value summed over the ranks.
+        self.last_micro_batch_metrics: List[Dict[str, float]] = []
         try:
             super().__init__(**ds_kwargs)
             self._install_weight_access()
@@ -125,6 +129,9 @@ class GreedySnakeEngine(EngineBase):
         self.layers = [LayerOwner(index, module, self.compute_dtype, device, self.parallel, split.borrowed_by(index))
                        for index, module in enumerate(split.layers)]
         self._lend_tied_parameters(split)
+        # The side inputs a micro-batch may carry (micro_batch.py): those some layer reads.
+        self._readable_side_inputs = frozenset(name for module in split.layers
+                                               for name in getattr(module, "side_inputs", ()))
         prefetch_depth = setup.config.prefetch_depth if setup.config.prefetch else 1
         param_store, optimizer_store, activation_store = (
             self._open_store(folder, name, handles) for name, handles in
@@ -224,6 +231,7 @@ class GreedySnakeEngine(EngineBase):
         self.global_steps += 1
         self.global_samples += self.train_micro_batch_size_per_gpu() * self.dp_world_size * len(micro_batches)
         mean_loss = self._mean_over_ranks(result.losses)
+        self.last_micro_batch_metrics = self._sum_metrics_over_ranks(result.metrics)
         self.last_step_metrics = self._metrics(result, mean_loss, micro_batches, seconds, before)
         if self.global_rank == 0 and self.global_steps % self.steps_per_print() == 0:
             self._log(self.last_step_metrics)
@@ -232,11 +240,13 @@ class GreedySnakeEngine(EngineBase):
     def eval_batch(self, data_iter: Iterator, num_micro_batches: Optional[int] = None) -> torch.Tensor:
         """Mean loss over gradient_accumulation_steps (or ``num_micro_batches``) micro-batches, forward
         only (weights fully updated)."""
-        losses = self.executor.evaluate(self._next_micro_batches(data_iter, num_micro_batches))
+        losses, metrics = self.executor.evaluate(self._next_micro_batches(data_iter, num_micro_batches))
+        self.last_micro_batch_metrics = self._sum_metrics_over_ranks(metrics)
         return torch.tensor(self._mean_over_ranks(losses))
 
     def _next_micro_batches(self, data_iter: Iterator, count: Optional[int] = None):
-        """``count`` (default gradient_accumulation_steps) (inputs, labels) pairs from ``data_iter``, on the device."""
+        """``count`` (default gradient_accumulation_steps) (inputs, labels) pairs from ``data_iter``, on the
+        device. inputs: a tensor, or a dict of the first layer's input and side inputs (micro_batch.py)."""
         if count is not None and count < 1:
             raise ValueError(f"num_micro_batches must be at least 1, got {count}")
         device = accelerator_device()
@@ -247,8 +257,19 @@ class GreedySnakeEngine(EngineBase):
                 inputs, labels = next(data_iter)
             except StopIteration:
                 raise short_data_error(len(micro_batches), wanted, count is None) from None
-            micro_batches.append((inputs.to(device), labels.to(device)))
+            check_inputs(inputs, self._readable_side_inputs)
+            micro_batches.append((to_device(inputs, device), to_device(labels, device)))
         return micro_batches
+
+    def _sum_metrics_over_ranks(self, metrics: List[Dict[str, float]]) -> List[Dict[str, float]]:
+        """Each micro-batch's metrics summed over the ranks' micro-batches of the same index, in one all-reduce."""
+        names = [sorted(each) for each in metrics]
+        flat = self.parallel.sum_each([each[name] for each, keys in zip(metrics, names) for name in keys])
+        summed, position = [], 0
+        for keys in names:
+            summed.append(dict(zip(keys, flat[position:position + len(keys)])))
+            position += len(keys)
+        return summed
 
     def _mean_over_ranks(self, losses) -> float:
         """The mean over every rank's micro-batches: what one rank with the whole batch would report."""
@@ -418,7 +439,7 @@ class GreedySnakeEngine(EngineBase):
     def _metrics(self, result: StepResult, mean_loss: float, micro_batches, seconds: float, before) -> StepMetrics:
         after = self.io_counters.snapshot()
         delta = lambda kind: {k: v - before[kind].get(k, 0) for k, v in after[kind].items()}
-        tokens = sum(inputs.numel() for inputs, _ in micro_batches)
+        tokens = sum(token_count(inputs) for inputs, _ in micro_batches)
         return StepMetrics(self.global_steps, mean_loss, tokens, seconds, delta("bytes_read"), delta("bytes_written"),
                            delta("reads"), result.seconds_by_op, result.decision.global_grad_norm,
                            result.decision.skipped, result.optimizer_seconds, result.optimizer_wait_seconds)

@@ -3,7 +3,7 @@ import time
 from contextlib import nullcontext
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.profiler import record_function
@@ -11,11 +11,13 @@ from torch.profiler import record_function
 from .activations import ActivationStore, InputGradients
 from .io_trace import TRAIN, IoRecorder
 from .layer import LayerOwner
+from .micro_batch import first_layer_input, running_on, split_loss
 from .optimizer import LayerwiseAdam, StepDecision
 from .rng import RngState, capture_rng_state, replaying
 from .schedule import Op, OpKind, build_step_schedule, layers_updated_after_decision, lowest_trainable
 
-MicroBatch = Tuple[torch.Tensor, torch.Tensor]  # (inputs, labels), already on the device
+# (inputs, labels), already on the device; inputs: a tensor or a dict with side inputs (micro_batch.py)
+MicroBatch = Tuple[Any, Any]
 
 
 @dataclass
@@ -25,6 +27,8 @@ class StepResult:
     seconds_by_op: Dict[str, float] = field(default_factory=dict)
     optimizer_seconds: float = 0.0
     optimizer_wait_seconds: float = 0.0
+    # Per micro-batch, what loss_fn returned beside the loss (LossWithMetrics), on this rank.
+    metrics: List[Dict[str, float]] = field(default_factory=list)
 
 
 class Executor:
@@ -52,6 +56,8 @@ class Executor:
         self._input_grads = InputGradients(layers[0].device)
         # The random state each (layer, micro-batch) forward started from: its recompute replays it (dropout).
         self._rng_states: Dict[Tuple[int, int], RngState] = {}
+        # What loss_fn returned beside each micro-batch's loss this step (LossWithMetrics), by micro-batch.
+        self._metrics: Dict[int, Dict[str, torch.Tensor]] = {}
         # Each op's span while an I/O trace is on (io_trace.py: where a step's time went).
         self.recorder = IoRecorder(TRAIN)
 
@@ -65,6 +71,7 @@ class Executor:
     def run_step(self, micro_batches: Sequence[MicroBatch]) -> StepResult:
         num_micro_batches = len(micro_batches)
         losses: Dict[int, torch.Tensor] = {}
+        self._metrics = {}
         seconds: Dict[str, float] = defaultdict(float)
         try:
             decision = self._run_schedule(micro_batches, losses, self._input_grads, seconds)
@@ -77,12 +84,25 @@ class Executor:
         # The next step updates layers in this same order: its first state reads can start now.
         self.optimizer.announce_update_order([op.layer for op in self.schedule(num_micro_batches)
                                               if op.kind == OpKind.UPDATE])
-        return StepResult(self._read_losses([losses[index] for index in range(num_micro_batches)]), decision,
-                          dict(seconds))
+        read_losses, read_metrics = self._read_losses([losses[index] for index in range(num_micro_batches)],
+                                                      [self._metrics.get(index, {}) for index in range(num_micro_batches)])
+        return StepResult(read_losses, decision, dict(seconds), metrics=read_metrics)
 
-    def _read_losses(self, losses: List[torch.Tensor]) -> List[float]:
-        """Every micro-batch's loss as a float, in one read of the host (one wait for the device), not one each."""
-        return self.layers[0].transfers.read_values(torch.stack([loss.float() for loss in losses])) if losses else []
+    def _read_losses(self, losses: List[torch.Tensor], metrics: List[Dict[str, torch.Tensor]]):
+        """Every micro-batch's loss and metrics as floats, in one read of the host (one wait for the
+        device), not one each."""
+        if not losses:
+            return [], []
+        names = sorted(metrics[0])
+        if any(sorted(each) != names for each in metrics):
+            raise ValueError(f"loss_fn returned metrics {[sorted(each) for each in metrics]} for the micro-batches of "
+                             "one step: give every micro-batch the same metric names")
+        values = [loss.float().reshape(()) for loss in losses]
+        values += [each[name].float().reshape(()) for each in metrics for name in names]
+        read = self.layers[0].transfers.read_values(torch.stack(values))
+        count = len(losses)
+        return read[:count], [dict(zip(names, read[count + index * len(names):count + (index + 1) * len(names)]))
+                              for index in range(count)]
 
     def _run_schedule(self, micro_batches, losses, output_grads, seconds) -> StepDecision:
         decision: Optional[StepDecision] = None
@@ -110,31 +130,35 @@ class Executor:
         return decision
 
     @torch.no_grad()
-    def evaluate(self, micro_batches: Sequence[MicroBatch]) -> List[float]:
-        """Losses of a forward through every layer, vertically, with no gradient and no update.
+    def evaluate(self, micro_batches: Sequence[MicroBatch]) -> Tuple[List[float], List[Dict[str, float]]]:
+        """Losses (and loss_fn's metrics) of a forward through every layer, vertically, with no gradient and no update.
         Each layer's fetch waits for its pending update, so the weights are the fully updated ones.
         Between layers the hidden states wait in the activation store (host memory, then SSD; the latest
         on the device), and the last layer's output goes straight into its loss: the device holds one
         micro-batch's logits, whatever the number of micro-batches."""
         last = len(self.layers) - 1
-        losses = []
+        losses, metrics = [], []
         try:
             for layer in self.layers:
                 layer.fetch()
                 if self.prefetch and layer.index < last:
                     self.layers[layer.index + 1].prefetch()  # its read runs while this layer computes
                 for index, (inputs, labels) in enumerate(micro_batches):
-                    output = layer.module(inputs if layer.index == 0 else self.activations.take(layer.index, index))
-                    if layer.index == last:
-                        losses.append(self.loss_fn(output, labels).detach())
-                    else:
+                    with running_on(inputs):
+                        output = layer.module(first_layer_input(inputs) if layer.index == 0
+                                              else self.activations.take(layer.index, index))
+                        if layer.index == last:
+                            loss, micro_batch_metrics = split_loss(self.loss_fn(output, labels))
+                            losses.append(loss.detach())
+                            metrics.append(micro_batch_metrics)
+                    if layer.index < last:
                         self.activations.put(layer.index + 1, index, output)
                 layer.release()
         except BaseException:
             self._abandon_step()
             raise
         self.activations.clear()
-        return self._read_losses(losses)
+        return self._read_losses(losses, metrics)
 
     def _abandon_step(self) -> None:
         """After a failure mid-step: no SSD read left in flight (an aio handle destroyed with pending
@@ -175,7 +199,7 @@ class Executor:
 
     def _layer_input(self, layer: LayerOwner, micro_batch: int, micro_batches, keep: bool) -> torch.Tensor:
         if layer.index == 0:
-            return micro_batches[micro_batch][0]
+            return first_layer_input(micro_batches[micro_batch][0])
         if keep:
             return self.activations.peek(layer.index, micro_batch)
         return self.activations.take(layer.index, micro_batch)
@@ -185,20 +209,22 @@ class Executor:
         recomputed = layer.index >= self.backward_to
         if recomputed:
             self._rng_states[(layer.index, micro_batch)] = capture_rng_state()
-        hidden = layer.module(self._layer_input(layer, micro_batch, micro_batches, keep=recomputed))
+        with running_on(micro_batches[micro_batch][0]):
+            hidden = layer.module(self._layer_input(layer, micro_batch, micro_batches, keep=recomputed))
         self.activations.put(layer.index + 1, micro_batch, hidden)
 
     def _recompute(self, layer: LayerOwner, micro_batch: int, micro_batches):
         layer_input = self._layer_input(layer, micro_batch, micro_batches, keep=False)
         if layer.index > self.backward_to:
             layer_input = layer_input.detach().requires_grad_(True)
-        with torch.enable_grad(), replaying(self._rng_states.pop((layer.index, micro_batch), None)):
+        with torch.enable_grad(), replaying(self._rng_states.pop((layer.index, micro_batch), None)), \
+                running_on(micro_batches[micro_batch][0]):
             return layer_input, layer.module(layer_input)
 
     def _loss_backward(self, layer, micro_batch, micro_batches, losses, output_grads) -> None:
         layer_input, output = self._recompute(layer, micro_batch, micro_batches)
-        with torch.enable_grad():
-            loss = self.loss_fn(output, micro_batches[micro_batch][1])
+        with torch.enable_grad(), running_on(micro_batches[micro_batch][0]):
+            loss, self._metrics[micro_batch] = split_loss(self.loss_fn(output, micro_batches[micro_batch][1]))
             # Gradient accumulation averages over the micro-batches, as DeepSpeed and PyTorch do.
             (loss / len(micro_batches)).backward()
         losses[micro_batch] = loss.detach()

@@ -19,6 +19,9 @@ accelerate 1.15):
 * The loss: Trainer's own (``TrainerLoss``), the model's ``loss_function`` on the logits with what
   ``compute_loss`` and ``training_step`` would give it: ``num_items_in_batch`` (a token mean over the
   window and the ranks, when labels hold -100) or a per-micro-batch mean over the window length.
+* The batch: input_ids and labels, with a padding mask and (packed) position ids as side inputs that
+  every layer applies as the model's forward does (micro_batch.py); other inputs are refused.
+* SFTTrainer (trl): its loss and metrics instead, from the head layer's final hidden states (trl_sft.py).
 * Evaluation: ``prediction_step`` runs each eval batch forward through the engine (the module's own
   parameters are empty placeholders between layer fetches) with Trainer's eval loss; loss only, so
   ``compute_metrics`` and ``predict()`` are refused.
@@ -37,10 +40,17 @@ from .config import check_ds_config, parse_greedysnake_config
 from .deepspeed_compat import (default_gradient_clipping, deepspeed_initialize_routed, logical_shape,
                                remove_shm_buffer_at_exit)
 from .engine import GreedySnakeEngine
+from .hf_loss import LossScaling, TrainerLoss
+from . import trl_sft
 
 logger = logging.getLogger(__name__)
 
-INPUT_KEYS = ("input_ids", "labels", "attention_mask")
+INPUT_KEYS = ("input_ids", "labels")
+# What the Hugging Face split's layers read besides input_ids (models/hf.py), as a collator gives them: a
+# padding mask (padded batches), position ids restarting per sequence and the varlen kernels' bounds
+# (padding-free, packed batches).
+SIDE_INPUT_KEYS = ("attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                   "max_length_k", "seq_idx")
 # Methods the mixin implements that a class later in the MRO must not override.
 _MIXIN_METHODS = ("training_step", "get_batch_samples", "prediction_step")
 
@@ -49,51 +59,16 @@ class GreedySnakeTrainerError(ValueError):
     """A Trainer setting or batch the greedysnake engine cannot train; the message names it and the fix."""
 
 
-@dataclass
-class LossScaling:
-    """How TrainerLoss turns the model's loss of a micro-batch into the engine's."""
-    num_items_in_batch: Any  # for the model's loss_function (a token sum over it); None: a per-micro-batch mean
-    multiplier: int = 1
-
-
-class TrainerLoss:
-    """The engine's ``loss_fn``: Trainer's loss ``v`` of one micro-batch, times a multiplier.
-
-    The engine backpropagates ``loss / M`` for each of a window's M micro-batches and averages gradients
-    and the reported loss over ranks; Trainer backpropagates ``v`` per micro-batch (DeepSpeed averages the
-    gradients over ranks) and logs the sum of ``v`` over the window. So a training window's multiplier
-    holds the M that the engine divides by again (``GreedySnakeTrainerMixin._loss_scaling``).
-    ``configure`` sets the scaling before each window or eval batch; ``last_value`` is the latest result.
-    """
-
-    def __init__(self, loss_function: Callable, vocab_size: int):
-        self.loss_function = loss_function
-        self.vocab_size = vocab_size
-        self.scaling = LossScaling(None)
-        self.last_value: Optional[torch.Tensor] = None
-
-    def configure(self, scaling: LossScaling) -> None:
-        self.scaling = scaling
-
-    def __call__(self, output, labels: torch.Tensor) -> torch.Tensor:
-        logits = getattr(output, "logits", output)
-        items = self.scaling.num_items_in_batch
-        loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.vocab_size,
-                                  **({} if items is None else {"num_items_in_batch": items}))
-        if self.scaling.multiplier != 1:
-            loss = loss * self.scaling.multiplier
-        self.last_value = loss.detach()
-        return loss
-
-
-def micro_batch(sample: Dict[str, Any]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(input_ids, labels)`` of one Trainer batch, refusing what the engine would not compute as the
-    model would: other inputs, a padding attention mask, missing labels."""
-    unknown = sorted(set(sample) - set(INPUT_KEYS))
+def micro_batch(sample: Dict[str, Any]) -> Tuple[Any, torch.Tensor]:
+    """``(inputs, labels)`` of one Trainer batch for the engine: inputs are the input_ids, or a dict of them
+    and the side inputs the model's split reads (a padding mask, packed position ids and the varlen
+    kernels' sequence bounds; micro_batch.py). Refuses other inputs and missing labels."""
+    unknown = sorted(set(sample) - set(INPUT_KEYS) - set(SIDE_INPUT_KEYS))
     if unknown:
         raise GreedySnakeTrainerError(
             f"the batch has inputs {unknown}, which greedysnake does not pass to the model (its layers take "
-            f"input_ids only; the loss comes from labels): drop them from the dataset or the data collator")
+            f"input_ids and {list(SIDE_INPUT_KEYS)}; the loss comes from labels): drop them from the dataset or "
+            "the data collator")
     missing = [key for key in ("input_ids", "labels") if key not in sample]
     if missing:
         raise GreedySnakeTrainerError(f"the batch has no {missing}: greedysnake trains causal LMs on input_ids "
@@ -103,13 +78,13 @@ def micro_batch(sample: Dict[str, Any]) -> Tuple[torch.Tensor, torch.Tensor]:
         raise GreedySnakeTrainerError(f"labels have shape {tuple(labels.shape)} but input_ids "
                                       f"{tuple(input_ids.shape)}: give one label per input token (-100 where no "
                                       "loss is wanted)")
-    mask = sample.get("attention_mask")
-    if mask is not None and not bool(mask.all()):
-        raise GreedySnakeTrainerError(
-            "the batch has a padding attention_mask (zeros in it): greedysnake trains full sequences with a "
-            "causal mask only. Pack the texts into blocks of equal length (as run_clm.py's group_texts does) or "
-            "use a collator that does not pad; mark tokens without loss with label -100 instead")
-    return input_ids, labels
+    side = {key: sample[key] for key in SIDE_INPUT_KEYS if sample.get(key) is not None}
+    mask = side.get("attention_mask")
+    if mask is not None and bool(mask.all()):
+        del side["attention_mask"]  # no padding: the causal mask alone, as the model computes it then
+    if not side:
+        return input_ids, labels
+    return dict(side, input_ids=input_ids), labels
 
 
 def non_embedding_parameters(model: torch.nn.Module) -> int:
@@ -191,18 +166,33 @@ class GreedySnakeTrainerMixin:
             model.activation_checkpointing_disable()
             logger.info("greedysnake recomputes each layer in backward itself: the model's activation "
                         "checkpointing is turned off")
-        self._greedysnake_loss = TrainerLoss(model.loss_function, model.config.vocab_size)
+        if getattr(model, "_require_grads_hook", None) is not None:
+            # Set for checkpointing with frozen embeddings (PEFT): it would make every input embedding
+            # require a gradient, which the engine neither needs nor computes below its lowest trainable layer.
+            model.disable_input_require_grads()
+        sft = trl_sft.sft_trainer_base(self) is not None
+        if sft:
+            self._greedysnake_loss = trl_sft.SftLoss(self.args.loss_type, model.config.vocab_size)
+        else:
+            self._greedysnake_loss = TrainerLoss(model.loss_function, model.config.vocab_size)
         self._greedysnake_flops_parameters = non_embedding_parameters(model)
-        return initialize_for_accelerate(kwargs, self._greedysnake_loss, GreedySnakeTrainerError)
+        prepared = initialize_for_accelerate(kwargs, self._greedysnake_loss, GreedySnakeTrainerError)
+        if sft:
+            trl_sft.head_for_sft(prepared[0], GreedySnakeTrainerError)
+        return prepared
 
     def _refuse_unsupported(self) -> None:
         """Everything the engine would get wrong, refused at train() with the option named."""
         cls = type(self)
-        if cls.compute_loss is not Trainer.compute_loss:
+        sft = trl_sft.sft_trainer_base(self)
+        own = sft or Trainer
+        if cls.compute_loss is not own.compute_loss:
             raise GreedySnakeTrainerError(
-                f"{cls.__name__} overrides compute_loss: greedysnake computes Trainer's own loss inside its engine "
-                "(the model's loss_function on the logits) and cannot run another; remove the override, or train "
+                f"{cls.__name__} overrides compute_loss: greedysnake computes {own.__name__}'s own loss inside its "
+                "engine (in the head layer, per micro-batch) and cannot run another; remove the override, or train "
                 "with the \"greedysnake\" block off")
+        if sft is not None:
+            trl_sft.refuse_sft_options(self, GreedySnakeTrainerError)
         for method in _MIXIN_METHODS:
             if getattr(cls, method) is not getattr(GreedySnakeTrainerMixin, method):
                 raise GreedySnakeTrainerError(
@@ -261,7 +251,13 @@ class GreedySnakeTrainerMixin:
         self._greedysnake_loss.configure(self._loss_scaling(window.num_items_in_batch, count))
         self._greedysnake_step_lr = engine.optimizer.param_groups[0]["lr"]  # the rate this step uses
         loss = engine.train_batch(iter(micro_batches), num_micro_batches=count)
+        self._record_micro_batch_metrics("train", engine, window.samples)
         return (loss / count).to(self.args.device)
+
+    def _record_micro_batch_metrics(self, mode: str, engine: GreedySnakeEngine, samples) -> None:
+        """What the trainer's compute_loss logs per micro-batch from the logits (SFTTrainer's metrics)."""
+        if trl_sft.sft_trainer_base(self) is not None:
+            trl_sft.record_metrics(self, mode, engine.last_micro_batch_metrics, samples)
 
     def _loss_scaling(self, num_items_in_batch, window_length: Optional[int]) -> LossScaling:
         """What Trainer.compute_loss and Trainer.training_step do to the model's loss, for the engine
@@ -320,6 +316,7 @@ class GreedySnakeTrainerMixin:
         num_items_in_batch = self._get_num_items_in_batch([inputs], self.args.device)
         self._greedysnake_loss.configure(self._loss_scaling(num_items_in_batch, None))
         engine.eval_batch(iter([pair]), num_micro_batches=1)
+        self._record_micro_batch_metrics("eval", engine, [inputs])
         return self._greedysnake_loss.last_value.mean().to(self.args.device), None, None
 
 

@@ -58,6 +58,12 @@ def plan_split(model: nn.Module) -> ModelSplit:
 
     base = peft_base_model(model)
     if base is not None:
+        peft_config = getattr(model, "active_peft_config", None)
+        if getattr(peft_config, "is_prompt_learning", False):
+            raise ModelSplitError(f"{type(model).__name__} holds a prompt-learning adapter "
+                                  f"({type(peft_config).__name__}), which adds virtual tokens in the PeftModel's own "
+                                  "forward, outside the layers greedysnake runs: use an adapter inside the layers "
+                                  "(LoRA, IA3, ...)")
         # PEFT injects its adapters into the base model's own modules (LoRA wraps each target Linear), so
         # the base model's split holds them: the PeftModel around it adds no parameter of its own.
         layers = plan_split(base).layers

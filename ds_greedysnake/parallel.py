@@ -97,6 +97,15 @@ class DataParallel:
         self.bytes_by_collective["all_reduce"] += tensor.numel() * tensor.element_size()
         return float(tensor[0])
 
+    def sum_each(self, values: List[float]) -> List[float]:
+        """Each value summed over the ranks (every rank gives as many, in the same order): one all-reduce."""
+        if self.world_size == 1 or not values:
+            return list(values)
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        self._run("all_reduce", lambda: dist.all_reduce(tensor, group=self.group))
+        self.bytes_by_collective["all_reduce"] += tensor.numel() * tensor.element_size()
+        return tensor.tolist()
+
     def failed_ranks(self, failed: bool) -> List[int]:
         """The ranks that answer ``failed`` (each rank gives its own), known to every rank: lets all of
         them give up together before any changes anything (loading a checkpoint)."""

@@ -21,7 +21,8 @@ fi
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
     .venv/bin/pip install -q "${TORCH_SPEC:-torch==2.13.0}"
 fi
-.venv/bin/pip install -q -e .
+# The [trl] extra: GreedySnakeSFTTrainer and its tests (trl brings datasets, pandas, pyarrow).
+.venv/bin/pip install -q -e ".[trl]"
 
 # DeepSpeed's native ops are compiled once, here, into the installed DeepSpeed (about 4 minutes on
 # 2 cores); no training, test or benchmark process compiles them.

@@ -66,3 +66,24 @@ def lora_model(family: str, rank: int = 4, seed: int = 0):
         if "lora_B" in name:
             param.data.normal_(0, 0.02)
     return model
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer for VOCAB ids, built in code (no download): <s> </s> <pad> <unk>, then the
+    words w4 ... w255, split on whitespace; texts are words from ``random_text``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<s>": 0, "</s>": 1, "<pad>": 2, "<unk>": 3}
+    vocab.update({f"w{index}": index for index in range(4, VOCAB)})
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>")
+
+
+def random_text(generator: torch.Generator, words: int) -> str:
+    """``words`` words drawn by a Zipf law over w4 ... w255: a few are frequent, so that a model learns to
+    predict some within a few steps (a token accuracy above zero)."""
+    weights = 1.0 / torch.arange(1, VOCAB - 3, dtype=torch.float64)
+    drawn = torch.multinomial(weights, words, replacement=True, generator=generator) + 4
+    return " ".join(f"w{int(index)}" for index in drawn)

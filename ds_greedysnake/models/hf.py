@@ -14,11 +14,13 @@ output embeddings the head uses the embedding's weight: model_split records that
 """
 import copy
 import inspect
-from typing import Any, Callable, Dict, List, Optional
+import sys
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import torch
 from torch import nn
 
+from ..micro_batch import side_inputs as current_side_inputs
 from ..model_split import ModelSplitError
 
 # The only per-family hint: attribute names under which a decoder stack keeps its rotary module
@@ -28,6 +30,17 @@ _ROTARY_ATTRIBUTES = ("rotary_emb",)
 _BUILT_INPUTS = ("attention_mask", "position_ids", "use_cache")
 # What a stack hands its blocks for generation with a cache only: training on full windows needs none of it.
 _CACHE_INPUTS = ("past_key_values", "past_key_value", "layer_past", "cache", "cache_position")
+# Side inputs of a micro-batch (micro_batch.py) that the model's forward reads as the split reads them: a
+# padding mask and position ids (packed sequences restart them; the mask code then keeps each sequence to
+# itself), into the input layer and every block.
+_MASK_INPUTS = ("attention_mask", "position_ids")
+# What a padding-free collator adds for the varlen attention kernels; the stack hands them to every block
+# through its **kwargs (sdpa and eager ignore them).
+_VARLEN_INPUTS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+# Config fields with which a family's CausalLM forward scales or caps the logits after the LM head, which
+# the split's head does not apply: refused rather than trained on other logits.
+_LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": None, "logits_scaling": 1.0,
+                     "output_multiplier": None, "lm_head_multiplier": None}
 
 
 def is_hf_causal_lm(model: nn.Module) -> bool:
@@ -60,6 +73,13 @@ def hf_layers(model: nn.Module) -> List[nn.Module]:
     if getattr(config, "layerdrop", 0.0):
         raise ModelSplitError(f"{name} has layerdrop={config.layerdrop}: set config.layerdrop = 0 "
                               "(a layer skipped at random cannot be scheduled)")
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for field_name, neutral in _LOGIT_TRANSFORMS.items():
+        value = getattr(text_config, field_name, None)
+        if value is not None and value != neutral and value != 1.0:
+            raise ModelSplitError(f"{name} has config.{field_name}={value}: its forward transforms the logits after "
+                                  "the LM head, which the automatic split does not; give the model a "
+                                  "greedysnake_layers() method instead")
     lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if lm_head is None:
         raise ModelSplitError(f"{name} has no output embeddings (get_output_embeddings() is None): "
@@ -68,13 +88,13 @@ def hf_layers(model: nn.Module) -> List[nn.Module]:
     stack = model.get_submodule(stack_name)
     blocks = getattr(stack, blocks_name)
     rotary = _find_rotary(stack, blocks[0])
-    before, after, block_call = _trace_stack_children(model, stack_name, blocks_name)
+    before, after, block_call, mask_reads_positions = _trace_stack_children(model, stack_name, blocks_name)
     builders, constants = _block_inputs(model, stack, blocks[0], block_call, rotary is not None)
     head_chain = [getattr(stack, child) for child in after]
     input_modules = {child: getattr(stack, child) for child in before}
     entry = model.base_model if model.base_model is not model else stack
     layers: List[nn.Module] = [HfInputLayer(entry, input_modules, blocks[0])]
-    layers += [HfBlock(block, config, rotary, builders, constants) for block in blocks]
+    layers += [HfBlock(block, config, rotary, builders, constants, mask_reads_positions) for block in blocks]
     layers.append(HfHead(head_chain, lm_head))
     return layers
 
@@ -97,8 +117,9 @@ def _find_blocks(model: nn.Module):
 
 def _trace_stack_children(model: nn.Module, stack_name: str, blocks_name: str):
     """Names of the stack's children called before the first block and after the last one, in call order,
-    and the (args, kwargs) the first block was called with, from one forward of a parameterless copy of
-    the model on the meta device."""
+    the (args, kwargs) the first block was called with, and whether the stack builds its causal mask from
+    the position ids (then packed sequences keep to themselves; OPT's does not), from one forward of a
+    parameterless copy of the model on the meta device."""
     with torch.device("meta"):
         twin = type(model)(copy.deepcopy(model.config))
     stack = twin.get_submodule(stack_name)
@@ -110,6 +131,14 @@ def _trace_stack_children(model: nn.Module, stack_name: str, blocks_name: str):
                 for block in getattr(stack, blocks_name)]
     handles.append(getattr(stack, blocks_name)[0].register_forward_pre_hook(
         lambda _module, args, kwargs: block_calls.append((args, kwargs)), with_kwargs=True))
+    family_module = sys.modules.get(type(stack).__module__)
+    mask_builder = getattr(family_module, "create_causal_mask", None)
+    mask_calls = []
+    if callable(mask_builder):
+        def recording_mask_builder(*args, **kwargs):
+            mask_calls.append(kwargs.get("position_ids") is not None)
+            return mask_builder(*args, **kwargs)
+        setattr(family_module, "create_causal_mask", recording_mask_builder)
     try:
         # use_cache: without a cache, the mask code inspects position ids by value, which meta tensors lack.
         twin(input_ids=torch.zeros(1, 4, dtype=torch.long, device="meta"), use_cache=True)
@@ -119,6 +148,8 @@ def _trace_stack_children(model: nn.Module, stack_name: str, blocks_name: str):
     finally:
         for handle in handles:
             handle.remove()
+        if callable(mask_builder):
+            setattr(family_module, "create_causal_mask", mask_builder)
     if blocks_name not in calls:
         raise ModelSplitError(f"{type(model).__name__}'s forward never called its decoder blocks")
     first = calls.index(blocks_name)
@@ -131,7 +162,9 @@ def _trace_stack_children(model: nn.Module, stack_name: str, blocks_name: str):
     if len(set(after)) != len(after):
         raise ModelSplitError(f"{type(model).__name__} calls {after} after its blocks; a chain of distinct "
                               "modules is needed")
-    return before, after, block_calls[0]
+    # A stack that builds its mask otherwise: as the split did before it read the masks' inputs.
+    mask_reads_positions = mask_calls[0] if mask_calls else True
+    return before, after, block_calls[0], mask_reads_positions
 
 
 def _alibi_builder(stack: nn.Module):
@@ -212,6 +245,8 @@ class HfInputLayer(nn.Module):
     """Token ids -> the hidden state the model hands its first block, computed by the model's own forward
     (embeddings, learned positions, embedding dropout), stopped just before that block runs."""
 
+    side_inputs = _MASK_INPUTS
+
     def __init__(self, entry: nn.Module, input_modules: dict, first_block: nn.Module):
         super().__init__()
         # Owned for their parameters; the entry module and the first block are only called, not owned.
@@ -224,8 +259,11 @@ class HfInputLayer(nn.Module):
             raise _ReachedFirstBlock(args[0] if args else kwargs["hidden_states"])
 
         handle = self._first_block[0].register_forward_pre_hook(stop, with_kwargs=True)
+        given = current_side_inputs()
         try:
-            self._entry[0](input_ids=input_ids, use_cache=False)
+            # The masks too: learned positions come from position_ids (GPT-2) or the padding mask (OPT).
+            self._entry[0](input_ids=input_ids, use_cache=False,
+                           **{name: given[name] for name in _MASK_INPUTS if name in given})
         except _ReachedFirstBlock as reached:
             return reached.hidden
         finally:
@@ -239,20 +277,35 @@ class HfBlock(nn.Module):
     inputs ``builders`` make (ALiBi biases); ``constants`` are required inputs the stack passes as None."""
 
     def __init__(self, block: nn.Module, config, rotary: Optional[nn.Module],
-                 builders: Optional[Dict[str, Callable]] = None, constants: Optional[Dict[str, Any]] = None):
+                 builders: Optional[Dict[str, Callable]] = None, constants: Optional[Dict[str, Any]] = None,
+                 mask_reads_positions: bool = True):
         super().__init__()
         self.block = block
+        self._mask_reads_positions = mask_reads_positions
         self.rotary = rotary  # parameterless, shared by every block wrapper
         self._config = config
         self._builders = dict(builders or {})
         self._constants = dict(constants or {})
+        takes_kwargs = any(parameter.kind == inspect.Parameter.VAR_KEYWORD
+                           for parameter in inspect.signature(block.forward).parameters.values())
+        self._varlen_inputs = _VARLEN_INPUTS if takes_kwargs else ()
+        # Builders (ALiBi) make their input for full, unpadded sequences only: such a model takes no masks.
+        self.side_inputs = (() if self._builders else _MASK_INPUTS) + self._varlen_inputs
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
-        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        kwargs = {"attention_mask": create_causal_mask(config=self._config, inputs_embeds=hidden, attention_mask=None,
-                                                       cache=None, position_ids=position_ids),
+        given = current_side_inputs()
+        # As the stack's forward: arange positions unless the batch gives its own, the causal mask from them
+        # and the padding mask.
+        position_ids = given.get("position_ids")
+        if position_ids is None:
+            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        kwargs = {"attention_mask": create_causal_mask(config=self._config, inputs_embeds=hidden,
+                                                       attention_mask=given.get("attention_mask"), cache=None,
+                                                       position_ids=position_ids if self._mask_reads_positions
+                                                       else None),
                   "position_ids": position_ids, "use_cache": False}
+        kwargs.update({name: given[name] for name in self._varlen_inputs if name in given})
         if self.rotary is not None:
             kwargs["position_embeddings"] = self.rotary(hidden, position_ids=position_ids)
         kwargs.update({name: build(hidden) for name, build in self._builders.items()})
@@ -261,16 +314,28 @@ class HfBlock(nn.Module):
         return output[0] if isinstance(output, tuple) else output
 
 
+class HeadHiddenStates(NamedTuple):
+    """The head's output when it leaves the LM head to the loss (``HfHead.returns_hidden_states``): the
+    final hidden states and the LM head module, whose parameters are fetched while the loss runs."""
+    hidden_states: torch.Tensor
+    lm_head: nn.Module
+
+
 class HfHead(nn.Module):
-    """The modules the stack applies after its blocks (final norm, output projection), then the LM head."""
+    """The modules the stack applies after its blocks (final norm, output projection), then the LM head.
+    With ``returns_hidden_states`` set, it returns ``HeadHiddenStates`` instead of the logits: for a loss
+    that projects through the LM head itself in tiles (TRL's fused LM head), never holding the logits."""
 
     def __init__(self, chain: List[nn.Module], lm_head: nn.Module):
         super().__init__()
         self.chain = nn.ModuleList(chain)
         self.lm_head = lm_head
+        self.returns_hidden_states = False
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor):
         for module in self.chain:
             hidden = module(hidden)
+        if self.returns_hidden_states:
+            return HeadHiddenStates(hidden, self.lm_head)
         return self.lm_head(hidden)
 

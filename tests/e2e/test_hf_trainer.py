@@ -208,13 +208,13 @@ def test_two_ranks_under_the_launchers_match_one_rank(tmp_path, model_dir):
 
 
 def test_train_refuses_what_it_cannot_train(tmp_path, model_dir):
-    """A custom compute_loss, label smoothing and a padding attention mask are refused at train(),
-    naming the option, before any step."""
+    """A custom compute_loss, label smoothing and an input the model's layers do not read are refused at
+    train(), naming the option or the input, before any step."""
     messages = run(tmp_path, "refusals", "greedysnake", model_dir, extra=["--refusals"])
     assert "overrides compute_loss" in messages["compute_loss"]
     assert "label_smoothing_factor" in messages["label_smoothing_factor"]
-    assert "padding attention_mask" in messages["attention_mask"]
-    assert messages["attention_mask.steps"] == 0  # the engine was built, and took no step
+    assert "token_type_ids" in messages["token_type_ids"]
+    assert messages["token_type_ids.steps"] == 0  # the engine was built, and took no step
 
 
 def test_a_checkpoint_without_the_16bit_gather_converts_with_its_own_zero_to_fp32(tmp_path, model_dir):

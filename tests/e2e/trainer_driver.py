@@ -112,13 +112,12 @@ def refusals(args) -> dict:
         def compute_loss(self, model, inputs, **kwargs):
             return Trainer.compute_loss(self, model, inputs, **kwargs)
 
-    padded = dataset(args.samples, 0)  # as a padding collator gives it: the last tokens are padding
-    for sample in padded:
-        sample["attention_mask"] = torch.ones(SEQ_LEN, dtype=torch.long)
-        sample["attention_mask"][-3:] = 0
+    typed = dataset(args.samples, 0)  # an input the model's split does not read (BERT-style segment ids)
+    for sample in typed:
+        sample["token_type_ids"] = torch.zeros(SEQ_LEN, dtype=torch.long)
     cases = {"compute_loss": (CustomLoss, {}, dataset(args.samples, 0)),
              "label_smoothing_factor": (GreedySnakeTrainer, {"label_smoothing_factor": 0.1}, dataset(args.samples, 0)),
-             "attention_mask": (GreedySnakeTrainer, {}, padded)}
+             "token_type_ids": (GreedySnakeTrainer, {"remove_unused_columns": False}, typed)}
     messages = {}
     for name, (trainer_class, overrides, data) in cases.items():
         training = training_arguments(args, ds_config(args.nvme, True))

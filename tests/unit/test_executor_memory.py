@@ -50,7 +50,8 @@ def test_evaluate_holds_one_micro_batch_of_logits(num_micro_batches):
     executor = Executor(layers, ActivationStore(None, 1 << 30, CPU), optimizer, loss_fn, torch.float32,
                         prefetch=True, overlap=False, deferred_layers=None)
     batches = [(torch.randint(0, 16, (2, 4)), torch.randint(0, 32, (2, 4))) for _ in range(num_micro_batches)]
-    losses = executor.evaluate(batches)
+    losses, metrics = executor.evaluate(batches)
+    assert metrics == [{}] * num_micro_batches
     assert peak[0] == 1  # each micro-batch's logits go into its loss, then away
     with torch.no_grad():
         expected = [float(loss_fn(modules[2](modules[1](modules[0](inputs))), labels)) for inputs, labels in batches]

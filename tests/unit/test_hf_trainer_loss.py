@@ -141,9 +141,17 @@ def test_micro_batch_takes_input_ids_and_labels():
     assert torch.equal(inputs, batch()["input_ids"]) and torch.equal(labels, batch()["labels"])
 
 
+def test_micro_batch_carries_a_padding_mask_and_position_ids_to_the_layers():
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    inputs, labels = micro_batch(batch(attention_mask=mask))
+    assert set(inputs) == {"input_ids", "attention_mask"} and torch.equal(inputs["attention_mask"], mask)
+    positions = torch.tensor([[0, 1, 0, 1], [0, 1, 2, 3]])
+    inputs, _ = micro_batch(batch(position_ids=positions, attention_mask=torch.ones(2, 4, dtype=torch.long)))
+    assert set(inputs) == {"input_ids", "position_ids"}  # an all-ones mask: no padding, the causal mask alone
+
+
 @pytest.mark.parametrize("sample,named", [
-    (batch(attention_mask=torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])), "padding attention_mask"),
-    (batch(position_ids=torch.zeros(2, 4)), "position_ids"),
+    (batch(token_type_ids=torch.zeros(2, 4, dtype=torch.long)), "token_type_ids"),
     ({"input_ids": torch.zeros(2, 4, dtype=torch.long)}, "labels"),
     (dict(batch(), labels=torch.zeros(2, 3, dtype=torch.long)), "shape"),
 ])
