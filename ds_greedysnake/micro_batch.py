@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Mapping, Tuple
 
 import torch
+from deepspeed.accelerator import get_accelerator
 
 FIRST_LAYER_INPUT = "input_ids"
 
@@ -59,11 +60,41 @@ def side_inputs() -> Mapping[str, Any]:
     return _NONE if current is None else current
 
 
+def side_input_on_host(name: str):
+    """The host tensor the current micro-batch's side input ``name`` was copied to the device from (the
+    side input itself where it came as given), or None without it. A layer decides from it what depends
+    on the values (is a padding mask all ones, do positions restart) without a read of the device, which
+    would make the host wait for the device's queued work once per layer and micro-batch."""
+    current = side_inputs()
+    return getattr(current, "on_host", current).get(name)
+
+
+class SideInputs(dict):
+    """One micro-batch's side inputs as the layers read them, with the tensors they were copied from."""
+
+    def __init__(self, given: Mapping[str, Any], on_host: Mapping[str, Any]):
+        super().__init__(given)
+        self.on_host = on_host
+
+
+class DeviceInputs(dict):
+    """A micro-batch's inputs on the device (``to_device`` of a mapping), with the mapping it copied."""
+
+    def __init__(self, on_device: Mapping[str, Any], on_host: Mapping[str, Any]):
+        super().__init__(on_device)
+        self.on_host = on_host
+
+
 @contextmanager
 def running_on(inputs):
     """Within: ``side_inputs()`` are those of the micro-batch whose inputs are ``inputs``."""
-    token = _current.set({key: value for key, value in inputs.items() if key != FIRST_LAYER_INPUT}
-                         if isinstance(inputs, Mapping) else None)
+    if isinstance(inputs, Mapping):
+        on_host = getattr(inputs, "on_host", inputs)
+        given = SideInputs({key: value for key, value in inputs.items() if key != FIRST_LAYER_INPUT},
+                           {key: value for key, value in on_host.items() if key != FIRST_LAYER_INPUT})
+    else:
+        given = None
+    token = _current.set(given)
     try:
         yield
     finally:
@@ -71,10 +102,20 @@ def running_on(inputs):
 
 
 def to_device(value, device):
-    """A tensor, or each tensor of a mapping, on ``device`` (other values, such as ints, as they are)."""
+    """A tensor, or each tensor of a mapping, on ``device`` (other values, such as ints, as they are); a
+    mapping comes back as ``DeviceInputs``, which keeps the host tensors (``side_input_on_host``).
+
+    From the host to another device the copy is made from pinned memory without blocking: from pageable
+    memory a copy makes the host wait for every kernel queued on the device before it (once per micro-batch
+    and tensor). torch's caching host allocator reuses the pinned block only once the copy has read it."""
     if isinstance(value, Mapping):
-        return {key: to_device(item, device) for key, item in value.items()}
-    return value.to(device) if isinstance(value, torch.Tensor) else value
+        return DeviceInputs({key: to_device(item, device) for key, item in value.items()}, value)
+    if not isinstance(value, torch.Tensor):
+        return value
+    device = torch.device(device)
+    if value.device.type == "cpu" and device.type != "cpu":
+        return get_accelerator().pin_memory(value).to(device, non_blocking=True)
+    return value.to(device)
 
 
 def check_inputs(inputs, readable: Iterable[str]) -> None:

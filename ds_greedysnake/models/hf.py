@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional
 import torch
 from torch import nn
 
-from ..micro_batch import side_inputs as current_side_inputs
+from ..micro_batch import side_input_on_host, side_inputs as current_side_inputs
 from ..model_split import ModelSplitError
 
 # The only per-family hint: attribute names under which a decoder stack keeps its rotary module
@@ -298,12 +298,12 @@ class HfBlock(nn.Module):
         # As the stack's forward: arange positions unless the batch gives its own, the causal mask from them
         # and the padding mask.
         position_ids = given.get("position_ids")
+        padding_mask, mask_positions = self._mask_arguments(hidden, given.get("attention_mask"), position_ids)
         if position_ids is None:
             position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         kwargs = {"attention_mask": create_causal_mask(config=self._config, inputs_embeds=hidden,
-                                                       attention_mask=given.get("attention_mask"), cache=None,
-                                                       position_ids=position_ids if self._mask_reads_positions
-                                                       else None),
+                                                       attention_mask=padding_mask, cache=None,
+                                                       position_ids=mask_positions),
                   "position_ids": position_ids, "use_cache": False}
         kwargs.update({name: given[name] for name in self._varlen_inputs if name in given})
         if self.rotary is not None:
@@ -312,6 +312,40 @@ class HfBlock(nn.Module):
         kwargs.update(self._constants)
         output = self.block(hidden, **kwargs)
         return output[0] if isinstance(output, tuple) else output
+
+
+    def _mask_arguments(self, hidden: torch.Tensor, padding_mask, position_ids):
+        """The padding mask and positions to build the causal mask from: the same mask as from the batch's
+        own, but without transformers' reads of device values where the host copies already answer them.
+
+        transformers reads a device value per call (so per block and micro-batch here, once per forward in
+        the model's own) to find whether positions restart (packed sequences; only without a padding mask)
+        and whether a padding mask is all ones. A padding mask of all ones masks nothing (the mask from
+        none); positions that never restart pack nothing (the mask from none, which the model's arange
+        default gives too). Decided here from the host tensors the micro-batch was copied from; where
+        there are none (given on the device), transformers decides as before."""
+        if padding_mask is not None:
+            on_host = side_input_on_host("attention_mask")
+            if (_on_host(on_host) and on_host.dim() == 2 and on_host.shape[-1] == hidden.shape[1]
+                    and bool(on_host.all())):
+                padding_mask = None
+            return padding_mask, None  # with a padding mask, transformers looks for no packed sequences
+        if position_ids is None or not self._mask_reads_positions:
+            return None, None
+        on_host = side_input_on_host("position_ids")
+        if _on_host(on_host) and not _restarts(on_host):
+            return None, None
+        return None, position_ids
+
+
+def _on_host(tensor) -> bool:
+    return isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu"
+
+
+def _restarts(position_ids: torch.Tensor) -> bool:
+    """Whether positions in a row of ``position_ids`` ever step by other than 1 (transformers'
+    ``find_packed_sequence_indices`` finds packed sequences so; the first position may be anything)."""
+    return bool((position_ids.diff(dim=-1) != 1).any())
 
 
 class HeadHiddenStates(NamedTuple):

@@ -73,3 +73,63 @@ def test_metrics_must_be_one_element_tensors():
     assert got is loss and metrics == {"count": torch.tensor(3)}
     with pytest.raises(ValueError, match="'per_token'"):
         split_loss(LossWithMetrics(loss, {"per_token": torch.ones(3)}))
+
+
+def full_ones_mask():
+    generator = torch.Generator().manual_seed(2)
+    input_ids = torch.randint(4, VOCAB, (2, 12), generator=generator)
+    return {"input_ids": input_ids, "attention_mask": torch.ones(2, 12, dtype=torch.long)}
+
+
+def unpacked_positions():
+    generator = torch.Generator().manual_seed(3)
+    return {"input_ids": torch.randint(4, VOCAB, (2, 12), generator=generator),
+            "position_ids": torch.arange(12).unsqueeze(0).expand(2, -1)}
+
+
+BLOCK_CASES = {"none": lambda: {"input_ids": torch.randint(4, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))},
+               "full_ones_mask": full_ones_mask, "unpacked_positions": unpacked_positions,
+               "right_padding": lambda: padded(False), "packed": packed}
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("case", sorted(BLOCK_CASES))
+def test_blocks_read_no_device_value_where_the_host_copies_answer(family, case, monkeypatch):
+    """On a GPU every read of a device value makes the host wait for the device's queued work. transformers'
+    mask code reads one per call (packed positions? padding all ones?); the split's blocks answer those from
+    the micro-batch's host tensors (micro_batch.DeviceInputs), so a block reads none where the mask is the
+    plain causal one, and the same mask comes out, bitwise, as when transformers decides on the device."""
+    from transformers import masking_utils
+    from ds_greedysnake.micro_batch import DeviceInputs
+    if family not in FAMILIES:
+        pytest.skip(f"{family} not among the test families")
+    model = tiny_model(family).eval()
+    inputs = BLOCK_CASES[case]()
+    layers = hf_layers(model)
+    reads = []
+    for name in ("find_packed_sequence_indices", "fast_all"):
+        original = getattr(masking_utils, name)
+        monkeypatch.setattr(masking_utils, name, lambda *args, _original=original, _name=name, **kwargs:
+                            reads.append(_name) or _original(*args, **kwargs))
+
+    def blocks_output(batch):
+        with torch.no_grad(), running_on(batch):
+            hidden = layers[0](batch["input_ids"])
+            reads.clear()  # the input layer runs the model's own forward: its one mask per micro-batch
+            for layer in layers[1:-1]:
+                hidden = layer(hidden)
+        return hidden, list(reads)
+
+    # As copied to the device by the engine (the host tensors kept), and with no host copies to decide from.
+    with_host, host_reads = blocks_output(DeviceInputs(dict(inputs), inputs))
+    without_host, device_reads = blocks_output(DeviceInputs(dict(inputs), {}))
+    assert torch.equal(with_host, without_host)
+    mask_reads_positions = layers[1]._mask_reads_positions  # learned from the family's stack (OPT: no)
+    if case == "right_padding" or case == "packed":
+        # A real padding mask, real packing: transformers builds that mask, reading as it does (docs/cuda.md).
+        assert host_reads == device_reads
+        assert bool(device_reads) == (case == "right_padding" or mask_reads_positions)
+    else:
+        assert host_reads == [], host_reads
+        if case == "full_ones_mask" or (case == "unpacked_positions" and mask_reads_positions):
+            assert device_reads, "transformers read nothing: the test no longer sees the reads it counts"
