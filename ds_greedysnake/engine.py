@@ -293,6 +293,7 @@ class GreedySnakeEngine(EngineBase):
         if not self._io_recorder.enabled:
             raise RuntimeError("no I/O trace is on: call engine.start_io_trace() first")
         worker_events = self.optimizer.updater.stop_io_trace()
+        self.executor.resolve_device_times()  # off the CPU: the compute spans' device seconds (one wait)
         return IoTrace(self._io_recorder.stop() + worker_events)
 
     def close(self) -> None:

@@ -9,7 +9,7 @@ import torch
 from torch.profiler import record_function
 
 from .activations import ActivationStore, InputGradients
-from .io_trace import TRAIN, IoRecorder
+from .io_trace import COMPUTE_OPS, TRAIN, IoEvent, IoRecorder
 from .layer import LayerOwner
 from .micro_batch import first_layer_input, running_on, split_loss
 from .optimizer import LayerwiseAdam, StepDecision
@@ -60,6 +60,9 @@ class Executor:
         self._metrics: Dict[int, Dict[str, torch.Tensor]] = {}
         # Each op's span while an I/O trace is on (io_trace.py: where a step's time went).
         self.recorder = IoRecorder(TRAIN)
+        # While a trace is on, off the CPU: each compute op's span with the timing events recorded on the
+        # compute stream at its start and end, resolved into device seconds by ``resolve_device_times``.
+        self._device_marks: List[Tuple[IoEvent, Any, Any]] = []
 
     def schedule(self, num_micro_batches: int) -> List[Op]:
         if num_micro_batches not in self._schedules:
@@ -111,6 +114,7 @@ class Executor:
         profiling = getattr(torch.autograd.profiler, "_is_profiler_enabled", True)
         for op in self.schedule(len(micro_batches)):
             started, span_started = time.perf_counter(), time.monotonic()
+            device_start = self._mark_compute(op)
             with record_function(f"gs::{op}") if profiling else nullcontext():
                 if op.kind == OpKind.DECIDE_STEP:
                     # Through step(): torch's lr schedulers wrap it to see that the optimizer stepped.
@@ -126,8 +130,25 @@ class Executor:
                 self.optimizer.poll()
             seconds[op.kind.value] += time.perf_counter() - started
             if self.recorder.enabled:
-                self.recorder.span(op.kind.value, span_started, str(op))
+                span = self.recorder.span(op.kind.value, span_started, str(op))
+                if device_start is not None:
+                    self._device_marks.append((span, device_start, self._mark_compute(op)))
         return decision
+
+    def _mark_compute(self, op: Op):
+        """A timing event on the compute stream (no wait) at a compute op's start or end while a trace is on
+        and the device is not the host: the host only queues the op's kernels, its own span times that."""
+        if not self.recorder.enabled or op.kind.value not in COMPUTE_OPS:
+            return None
+        return self.layers[0].transfers.mark_compute()
+
+    def resolve_device_times(self) -> None:
+        """Each recorded compute span's device seconds (``IoEvent.device_seconds``): one wait of the host
+        for the device, when the trace is read (``engine.stop_io_trace``), never during the steps."""
+        marks, self._device_marks = self._device_marks, []
+        seconds = self.layers[0].transfers.elapsed_seconds([(start, end) for _, start, end in marks])
+        for (span, _, _), elapsed in zip(marks, seconds):
+            span.device_seconds = elapsed
 
     @torch.no_grad()
     def evaluate(self, micro_batches: Sequence[MicroBatch]) -> Tuple[List[float], List[Dict[str, float]]]:

@@ -38,6 +38,9 @@ class IoEvent:
     category: str = ""   # issue: the region's IoCounters category
     serial: int = 0      # send, recv: the message's number on its pipe
     label: str = ""      # span: the op with its layer and micro-batch
+    # span of a compute op, off the CPU: the device's time between timing events recorded on the compute
+    # stream at the op's start and end (the host only queues the kernels); None where the device is the host
+    device_seconds: Optional[float] = None
 
 
 class IoRecorder:
@@ -73,9 +76,12 @@ class IoRecorder:
             self.events.append(IoEvent(kind, self.process, now if started is None else started, now, op=pipe,
                                        serial=serial))
 
-    def span(self, op: str, started: float, label: str = "") -> None:
+    def span(self, op: str, started: float, label: str = "") -> Optional[IoEvent]:
+        """The op's span (its ``device_seconds`` may be filled in later), None while not enabled."""
         if self.enabled:
             self.events.append(IoEvent("span", self.process, started, time.monotonic(), op=op, label=label))
+            return self.events[-1]
+        return None
 
 
 @dataclass
@@ -122,27 +128,41 @@ def completions(trace: IoTrace) -> List[Tuple[IoEvent, float]]:
     return sorted(done, key=lambda pair: pair[0].start)
 
 
-def time_breakdown(trace: IoTrace, start: float, end: float) -> Dict[str, float]:
+def time_breakdown(trace: IoTrace, start: float, end: float) -> Dict[str, object]:
     """Where the training process's time in [start, end) went: compute (the schedule's forward and
     backward ops, less the waits inside them), waits on the SSD (its stores' waits), waits on the optimizer
-    worker (blocking receives of its results), and the rest (Python, copies, the optimizer's bookkeeping)."""
+    worker (blocking receives of its results), and the rest (Python, copies, the optimizer's bookkeeping).
+
+    Off the CPU the host only queues a compute op's kernels: where its span has ``device_seconds``, those
+    count as its compute (the device's time between the op's start and end on the compute stream, waits
+    of that stream for copies and gathers included) and the host's waits inside it are not taken off (they
+    overlap the device's work; the parts may then add up to more than the total, and the rest is 0).
+    ``compute_clock`` says which clock the compute figure came from: "host" (the CPU accelerator:
+    unchanged), "device", or "mixed" (some spans without device time, which a run does not produce)."""
     waits = [e for e in trace.of(TRAIN, "wait")]
     worker_waits = [e for e in trace.of(TRAIN, "recv") if e.op == RESULT_PIPE]
     compute_spans = sorted((e for e in trace.of(TRAIN, "span") if e.op in COMPUTE_OPS), key=lambda e: e.start)
     starts = [span.start for span in compute_spans]
 
-    def inside_compute(event: IoEvent) -> bool:
+    def holding_span(event: IoEvent) -> Optional[IoEvent]:
+        """The compute span the event lies in, if any."""
         # One thread: spans do not overlap, so only the last one starting before the event can hold it.
         index = bisect.bisect_right(starts, event.start) - 1
-        return index >= 0 and event.end <= compute_spans[index].end
+        return compute_spans[index] if index >= 0 and event.end <= compute_spans[index].end else None
+
+    def host_timed_compute_holds(event: IoEvent) -> bool:
+        span = holding_span(event)
+        return span is not None and span.device_seconds is None
 
     ssd = sum(e.end - e.start for e in waits)
     worker = sum(e.end - e.start for e in worker_waits)
-    compute = sum(e.end - e.start for e in compute_spans) - sum(
-        e.end - e.start for e in waits + worker_waits if inside_compute(e))
+    compute = sum(e.end - e.start if e.device_seconds is None else e.device_seconds for e in compute_spans) - sum(
+        e.end - e.start for e in waits + worker_waits if host_timed_compute_holds(e))
+    clocks = {"host" if span.device_seconds is None else "device" for span in compute_spans}
     total = end - start
     return {"compute": compute, "ssd_wait": ssd, "worker_wait": worker,
-            "rest": max(0.0, total - compute - ssd - worker), "total": total}
+            "rest": max(0.0, total - compute - ssd - worker), "total": total,
+            "compute_clock": clocks.pop() if len(clocks) == 1 else ("host" if not clocks else "mixed")}
 
 
 _PIDS = {TRAIN: 1, WORKER: 2}

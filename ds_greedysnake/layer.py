@@ -19,7 +19,9 @@ parameter (``trainable`` false) has no slot at all: it is fetched and released, 
 
 Copies to the device run on a transfer stream (``transfers.py``): a host buffer goes back to the pool
 with the guard of the copy reading it, and the pool hands it out again (to the next aio read) only
-once that copy has completed.
+once that copy has completed. With several ranks a fetch makes one copy and one all-gather (trainable and
+frozen shards together), the gather on a stream of its own after the copy, which the compute waits for
+(on the device) when the weights are bound.
 """
 from enum import Enum
 from typing import List, Optional, Sequence, Tuple
@@ -28,7 +30,7 @@ import torch
 from torch import nn
 
 from . import deepspeed_compat
-from .parallel import DataParallel
+from .parallel import DataParallel, ShardLayout
 from .ssd import Region, SsdStore, padded_size
 from .ssd_layout import LayerLayout
 from .transfers import COMPLETE, Guard, Transfers
@@ -100,8 +102,9 @@ class LayerOwner:
         self._pool: Optional[BufferPool] = None
         self._host_buffer: Optional[torch.Tensor] = None
         self.transfers = Transfers.for_device(device)
-        # The full trainable and frozen weights on the device, not bound yet (stage).
-        self._staged: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        # The full trainable and frozen weights on the device, not bound yet (stage), with the guard of the
+        # gather that produced them (the compute waits for it when they are bound).
+        self._staged: Optional[Tuple[torch.Tensor, torch.Tensor, Guard]] = None
         self._grad_accumulator: Optional[torch.Tensor] = None
         self._move_buffers_to(device)
 
@@ -258,8 +261,9 @@ class LayerOwner:
     def _fetch_own(self) -> None:
         if self.state == Residency.RESIDENT:
             return
-        flat, frozen = self._staged if self._staged is not None else self._copy_in()
+        flat, frozen, gathered = self._staged if self._staged is not None else self._copy_in()
         self._staged = None
+        self.transfers.compute_waits_for(gathered)  # on the device, just before the layer's compute
         for params, shapes, values in ((self.params, self.param_shapes, flat),
                                        (self.frozen_params, self.frozen_shapes, frozen)):
             offset = 0
@@ -268,28 +272,62 @@ class LayerOwner:
                 offset += shape.numel()
         self.state = Residency.RESIDENT
 
-    def _copy_in(self) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _copy_in(self) -> Tuple[torch.Tensor, torch.Tensor, Guard]:
         """The full trainable and frozen weights on the device: the read waited for, copied on the inbound
-        stream (compute waits for it on the device), gathered over the ranks."""
+        stream (compute waits for it on the device), gathered over the ranks (``_gather_in``); with the
+        guard of the gather."""
         if self.state == Residency.ON_SSD:
             self.wait_for_update()
             self._start_read()
         self._store.wait_for_read(self._host_buffer)
-        buffer, copied = self._host_buffer, COMPLETE
+        buffer = self._host_buffer
+        if self.parallel.world_size > 1:
+            full, copied, gathered = self._gather_in(buffer)
+        else:
+            (full, copied), gathered = self._copy_shards_in(buffer), COMPLETE
+        if all(not _views(values, buffer) for values in full):
+            self._pool.give_back(buffer, copied)  # reused once the copies completed
+            self._host_buffer = None
+        return full[0], full[1], gathered
+
+    def _shard_pieces(self) -> List[Tuple[int, int, ShardLayout]]:
+        """Where the trainable and the frozen shard lie in a read buffer: (byte offset, bytes, layout)."""
+        return [(0, self.shard_bytes, self.layout),
+                (self._frozen_offset, self.frozen_shard_bytes, self.frozen_layout)]
+
+    def _copy_shards_in(self, buffer: torch.Tensor) -> Tuple[List[torch.Tensor], Guard]:
+        """One rank: the trainable and frozen weights on the device (on the CPU accelerator, views of
+        ``buffer``), and the guard of the last copy."""
+        copied = COMPLETE
         full = []
-        for offset, num_bytes, layout in ((0, self.shard_bytes, self.layout),
-                                          (self._frozen_offset, self.frozen_shard_bytes, self.frozen_layout)):
+        for offset, num_bytes, _ in self._shard_pieces():
             if not num_bytes:
                 full.append(torch.empty(0, dtype=self.compute_dtype, device=self.device))
                 continue
             shard = buffer[offset:offset + num_bytes].view(self.compute_dtype)
             # The CPU accelerator: the host buffer itself. Copies on one stream: the last one's guard covers both.
             shard, copied = self.transfers.to_device(shard)
-            full.append(self.parallel.gather(shard, layout))
-        if all(not _views(values, buffer) for values in full):
-            self._pool.give_back(buffer, copied)  # reused once the copies completed
-            self._host_buffer = None
-        return full[0], full[1]
+            full.append(shard)
+        return full, copied
+
+    def _gather_in(self, buffer: torch.Tensor) -> Tuple[List[torch.Tensor], Guard, Guard]:
+        """Several ranks: the full trainable and frozen weights from ONE copy to the device and ONE
+        all-gather per fetch, not one of each per vector (a LoRA layer has both): the copy and the gather
+        take the read buffer from the trainable shard's start to the frozen one's end, the trainable region's
+        padding and tag between them included (under 4 KiB per rank, cheaper than packing the two shards
+        into one vector first), and ``gather_pieces`` cuts each vector out of the gathered rows. Off the CPU
+        the gather runs on the gather stream, after the copy and not after the compute
+        (``Transfers.gather_to_device``); the compute waits for it when the weights are bound."""
+        present = [(offset, num_bytes, layout) for offset, num_bytes, layout in self._shard_pieces() if num_bytes]
+        span = max(offset + num_bytes for offset, num_bytes, _ in present)
+        gathered, copied, done = self.transfers.gather_to_device(
+            buffer[:span].view(self.compute_dtype),
+            lambda shard: self.parallel.gather_pieces(
+                shard, [(offset // self._element_bytes, layout) for offset, _, layout in present]))
+        values = iter(gathered)
+        full = [next(values) if num_bytes else torch.empty(0, dtype=self.compute_dtype, device=self.device)
+                for _, num_bytes, _ in self._shard_pieces()]
+        return full, copied, done
 
     def release(self) -> None:
         for lender in self.lenders:

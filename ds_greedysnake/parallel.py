@@ -7,7 +7,7 @@ deepspeed.comm (gloo on the CPU accelerator, NCCL on GPUs), and every byte they 
 """
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 from deepspeed import comm as dist
@@ -70,6 +70,17 @@ class DataParallel:
         self._run("all_gather", lambda: dist.all_gather_into_tensor(full, shard.contiguous(), group=self.group))
         self.bytes_by_collective["all_gather"] += full.numel() * full.element_size()
         return full
+
+    def gather_pieces(self, flat: torch.Tensor, pieces: Sequence[Tuple[int, ShardLayout]]) -> List[torch.Tensor]:
+        """Several vectors' full (padded) values in one all-gather: every rank's ``flat`` holds its shard of
+        each at the same element offset (``pieces``: (offset, layout)); each comes out bitwise as ``gather``
+        of that shard alone would give it (a gather is a copy): the rows of the gathered [rank, flat] matrix,
+        cut at the offsets, one device copy per vector where they are not the whole row."""
+        if self.world_size == 1:
+            return [flat[offset:offset + layout.shard_numel] for offset, layout in pieces]
+        rows = self.gather(flat, ShardLayout(flat.numel() * self.world_size, self.world_size, self.rank))
+        rows = rows.view(self.world_size, flat.numel())
+        return [rows[:, offset:offset + layout.shard_numel].reshape(-1) for offset, layout in pieces]
 
     def gather_to_host(self, shard: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
         """The full (padded) flat vector from every rank's host shard, in host memory: the shard goes to

@@ -33,7 +33,7 @@ API is reached through ``get_accelerator()`` behind ``AcceleratorStreams``, whic
 """
 import weakref
 from collections import deque
-from typing import Callable, Deque, Dict, Optional, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 import numpy
 import torch
@@ -53,6 +53,10 @@ class AcceleratorStreams:
         self._device = device
         self.inbound = self._accelerator.Stream(device=device)   # host -> device
         self.outbound = self._accelerator.Stream(device=device)  # device -> host
+        # The all-gathers of layer weights over the ranks (``Transfers.gather_to_device``): on the compute
+        # stream, a gather would start only once all compute queued before it ran, so a layer's weights
+        # could never be gathered while the layer before it computes.
+        self.gather = self._accelerator.Stream(device=device)
 
     def current(self):
         return self._accelerator.current_stream(self._device)
@@ -75,6 +79,21 @@ class AcceleratorStreams:
     def read_values(tensor: torch.Tensor) -> list:
         """The values of a small device tensor on the host: the host waits for the device's work so far."""
         return tensor.tolist()
+
+    def timing_event(self, stream):
+        """An event that records when ``stream`` reached it on the device (for ``elapsed_seconds``)."""
+        event = self._accelerator.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    @staticmethod
+    def elapsed_seconds(start, end) -> float:
+        """Device time between two completed timing events."""
+        return start.elapsed_time(end) / 1000.0  # milliseconds
+
+    def synchronize(self) -> None:
+        """The host waits for all the device's work so far."""
+        self._accelerator.synchronize(self._device.index)
 
 
 class Guard:
@@ -145,13 +164,14 @@ class Transfers:
             return tensor.tolist()
         return self._streams.read_values(tensor)
 
-    def to_device(self, host: torch.Tensor) -> Tuple[torch.Tensor, Guard]:
-        """A device copy of ``host``, which compute enqueued from now on waits for; the guard says when
-        ``host`` may be overwritten. On the CPU accelerator, ``host`` itself."""
+    def to_device(self, host: torch.Tensor, consumer=None) -> Tuple[torch.Tensor, Guard]:
+        """A device copy of ``host``, which compute enqueued from now on waits for (or, given, the work
+        enqueued on stream ``consumer``); the guard says when ``host`` may be overwritten. On the CPU
+        accelerator, ``host`` itself."""
         if self._streams is None:
             return host, COMPLETE
         streams = self._streams
-        compute = streams.current()
+        compute = streams.current() if consumer is None else consumer
         self._after_last_copy_of(host, streams.inbound)
         with streams.on(streams.inbound):
             # Allocated on the inbound stream: its memory is free there; used on the compute stream next.
@@ -163,6 +183,59 @@ class Transfers:
         guard = Guard(copied, host)
         self._remember_last_copy(host, guard)
         return on_device, guard
+
+    def gather_to_device(self, host: torch.Tensor,
+                         gather: Callable[[torch.Tensor], List[torch.Tensor]]) -> Tuple[List[torch.Tensor], Guard, Guard]:
+        """``gather(shard)`` of a device copy ``shard`` of ``host``: a collective over the ranks (and the
+        device copies that split its result), run on the gather stream once the copy ran, not after the
+        compute queued so far. Returns its tensors, the guard of ``host`` (as ``to_device``'s) and the
+        guard of the gather, which the compute must wait for before reading them (``compute_waits_for``).
+        On the CPU accelerator, ``gather(host)`` as it is, both guards complete.
+
+        What orders the collective on the gather stream: torch.distributed's synchronous collectives
+        (``async_op=False``, as deepspeed.comm calls them) are ordered against the stream *current at the
+        call*: ProcessGroupNCCL either enqueues the NCCL kernel on that stream itself (recent torch's
+        ``collective()``: "in asyncOp=false [default] mode, we use currentStream as ncclStream") or, in
+        older versions, makes its internal NCCL stream wait for an event recorded on the current stream
+        (``syncStream``) and then, in ``work.wait()``, makes the current stream wait for the collective's end
+        event. Both are device-side waits. So under ``streams.on(gather)`` the collective runs after what
+        the gather stream waited for (the copy's event) and before the event recorded after it. Collectives
+        of one communicator on different streams (gathers here, reduce-scatters on the compute stream) run
+        in the order they were issued, the same on every rank: NCCL makes each launch wait for the
+        communicator's previous kernel (its internal ``deviceStream``, ``enqueue.cc``). gloo (the CPU
+        accelerator) is synchronous on the host."""
+        if self._streams is None:
+            return gather(host), COMPLETE, COMPLETE
+        streams = self._streams
+        compute = streams.current()
+        # The gather stream waits for the copy's event (and keeps the copy's memory for its own use).
+        shard, copied = self.to_device(host, consumer=streams.gather)
+        with streams.on(streams.gather):
+            gathered = gather(shard)  # allocated on the gather stream
+            done = streams.record(streams.gather)
+        for tensor in gathered:
+            streams.keep_for(tensor, compute)  # read by the compute next
+        return gathered, copied, Guard(done)
+
+    def compute_waits_for(self, guard: Guard) -> None:
+        """The compute enqueued from now on waits, on the device, for ``guard``'s work (the host does not)."""
+        if self._streams is not None:
+            guard.order_before(self._streams.current())
+
+    def mark_compute(self):
+        """A timing event recorded on the compute stream now (no wait), for ``elapsed_seconds``; None where
+        the device is the host (the host's clock then times the compute)."""
+        if self._streams is None:
+            return None
+        return self._streams.timing_event(self._streams.current())
+
+    def elapsed_seconds(self, marks: List[Tuple[object, object]]) -> List[float]:
+        """The device time between each (start, end) pair of ``mark_compute`` events: one wait of the host
+        for the device, whatever the number of pairs."""
+        if not marks:
+            return []
+        self._streams.synchronize()
+        return [self._streams.elapsed_seconds(start, end) for start, end in marks]
 
     def to_host(self, on_device: torch.Tensor, host: torch.Tensor) -> Guard:
         """Copy ``on_device`` into ``host`` once the compute enqueued so far ran; read ``host`` (or free

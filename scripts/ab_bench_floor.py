@@ -8,6 +8,11 @@ trainable parameters, on the optimizer worker's thread count, are timed once eac
 with its three floors; the floor is the largest of the three. Compute and Adam run on the same cores on
 this machine (the training threads and the worker's), so the floor where they cannot overlap,
 max(I/O, compute + Adam), is reported beside it.
+
+Which clock times the compute: the floor's compute alone (``vertical_compute`` with the accelerator's
+``synchronize`` before each clock reading) is the device's work on a GPU, not the host's launches; the
+step's breakdown (``io_trace.time_breakdown``) takes the device's time of each compute op off the CPU
+(timing events on the compute stream) and says so in ``compute_clock``, which the report prints.
 """
 import statistics
 import time
@@ -68,8 +73,16 @@ def step_floors(trace, windows, ds_config: dict, compute_once, trainable: int, a
     return {"rounds": rounds, **{f"{key}_median": median(key) for key in (
         "step_s", "io_replay_s", "compute_s", "adam_s", "floor_s", "step_over_floor", "shared_cores_floor_s",
         "step_over_shared_cores_floor", "replay_bytes_per_s")},
-        "breakdown_mean": {part: statistics.mean(r["breakdown"][part] for r in rounds)
-                           for part in ("compute", "ssd_wait", "worker_wait", "rest", "total")}}
+        "breakdown_mean": {**{part: statistics.mean(r["breakdown"][part] for r in rounds)
+                              for part in ("compute", "ssd_wait", "worker_wait", "rest", "total")},
+                           # The clock of the compute figure: the host's on the CPU, the device's off it
+                           # (io_trace.time_breakdown); "mixed" where rounds disagree.
+                           "compute_clock": _one_clock(r["breakdown"]["compute_clock"] for r in rounds)}}
+
+
+def _one_clock(clocks) -> str:
+    distinct = set(clocks)
+    return distinct.pop() if len(distinct) == 1 else "mixed"
 
 
 def transfer_sizes(window) -> dict:

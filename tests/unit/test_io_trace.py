@@ -120,6 +120,29 @@ def test_time_breakdown_separates_compute_from_the_waits_inside_it():
     assert parts["worker_wait"] == pytest.approx(0.5)
     assert parts["rest"] == pytest.approx(1.8)
     assert parts["total"] == 5.0
+    assert parts["compute_clock"] == "host"
+
+
+def test_time_breakdown_takes_the_devices_compute_time_where_the_spans_have_it():
+    """Off the CPU each compute span carries the device's time of its compute-stream work: that is the compute
+    (the host's waits inside the span overlap it and are not taken off), and the breakdown names the clock;
+    the device time survives the trace's JSON."""
+    events = [
+        _event("span", TRAIN, 0.0, 1.0, op="fetch"),
+        _event("wait", TRAIN, 0.2, 0.9, store="param", handles=("r0",)),
+        _event("span", TRAIN, 1.0, 3.0, op="forward", device_seconds=0.25),
+        _event("wait", TRAIN, 1.5, 2.0, store="activation", handles=("r0",)),
+        _event("span", TRAIN, 3.0, 3.5, op="backward", device_seconds=1.5),
+    ]
+    parts = time_breakdown(IoTrace.from_json(IoTrace(events).to_json()), 0.0, 5.0)
+    assert parts["compute_clock"] == "device"
+    assert parts["compute"] == pytest.approx(1.75)
+    assert parts["ssd_wait"] == pytest.approx(1.2)
+    assert parts["rest"] == pytest.approx(2.05)
+    host_timed = [IoEvent(**dict(vars(event), device_seconds=None)) for event in events]
+    parts = time_breakdown(IoTrace(host_timed), 0.0, 5.0)
+    assert parts["compute_clock"] == "host" and parts["compute"] == pytest.approx(2.5 - 0.5)
+    assert time_breakdown(IoTrace(events[:3] + host_timed[3:]), 0.0, 5.0)["compute_clock"] == "mixed"
 
 
 def test_each_transfer_completes_at_the_first_wait_on_its_handle():

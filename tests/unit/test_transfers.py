@@ -82,8 +82,8 @@ class RecordingTransfers(Transfers):
         super().__init__(CPU, streams, **options)
         self.copies = []  # (host data_ptr, guard)
 
-    def to_device(self, host):
-        on_device, guard = super().to_device(host)
+    def to_device(self, host, consumer=None):
+        on_device, guard = super().to_device(host, consumer)
         self.copies.append((host.data_ptr(), guard))
         return on_device, guard
 
