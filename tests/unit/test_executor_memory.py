@@ -56,3 +56,29 @@ def test_evaluate_holds_one_micro_batch_of_logits(num_micro_batches):
     with torch.no_grad():
         expected = [float(loss_fn(modules[2](modules[1](modules[0](inputs))), labels)) for inputs, labels in batches]
     assert losses == expected
+
+
+def test_evaluate_reads_the_next_layer_while_this_one_computes():
+    """Each layer's prefetch is started before its predecessor's first micro-batch runs (issue 30, item 8):
+    without it, evaluate read every layer only at its fetch, the compute idle meanwhile."""
+    torch.manual_seed(0)
+    modules = [nn.Embedding(16, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 32)]
+    events = []
+
+    class RecordingLayer(StubLayer):
+        def prefetch(self):
+            events.append(("prefetch", self.index))
+
+        def fetch(self):
+            events.append(("fetch", self.index))
+
+    layers = [RecordingLayer(index, module) for index, module in enumerate(modules)]
+    for layer in layers:
+        layer.module.register_forward_pre_hook(lambda module, args, index=layer.index: events.append(("run", index)))
+    optimizer = SimpleNamespace(needs_every_gradient_first=False)
+    executor = Executor(layers, ActivationStore(None, 1 << 30, CPU), optimizer,
+                        lambda output, labels: output.float().mean(), torch.float32,
+                        prefetch=True, overlap=False, deferred_layers=None)
+    executor.evaluate([(torch.randint(0, 16, (2, 4)), None) for _ in range(3)])
+    for index in range(len(layers) - 1):
+        assert events.index(("prefetch", index + 1)) < events.index(("run", index)), events
