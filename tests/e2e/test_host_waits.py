@@ -114,8 +114,9 @@ def _waits_in_one_step(tmp_path, monkeypatch, num_layers, num_micro_batches, gre
         engine.close()
 
 
-PLACEMENTS = [None, {"gradient_host_memory_mb": 0, "optimizer_host_memory_mb": 0}]
-PLACEMENT_IDS = ["host slots", "gradients and states through SSD"]
+PLACEMENTS = [None, {"gradient_host_memory_mb": 0, "optimizer_host_memory_mb": 0},
+              {"activation_host_memory_mb": 0, "gradient_host_memory_mb": 0, "optimizer_host_memory_mb": 0}]
+PLACEMENT_IDS = ["host slots", "gradients and states through SSD", "everything through SSD"]
 
 
 @pytest.mark.parametrize("greedysnake", PLACEMENTS, ids=PLACEMENT_IDS)
