@@ -5,10 +5,12 @@ recompute that layer. The most recent checkpoint also stays on the device: with 
 the micro-batch that ends one layer starts the next, so its activation never has to come back.
 
 Off the CPU accelerator, checkpoints leave the device on a transfer stream (``transfers.py``) into
-registered host memory kept per (layer, micro-batch) across steps, and come back the same way; device
-memory holds the latest checkpoint and the copies in flight (at most ``Transfers.max_pending_to_host``),
-whatever the number of micro-batches. On the CPU accelerator the host tier keeps the tensor itself, as
-before.
+registered host memory kept per (layer, micro-batch) across steps (reused by capacity: ``HostSlots``), and
+come back the same way; device memory holds the latest checkpoint and the copies in flight (at most
+``Transfers.max_pending_to_host``), whatever the number of micro-batches. Checkpoints past the budget
+go to the SSD through a few staging buffers, their writes started once their copy is seen done and their
+reads started ahead of the executor, in the order the schedule reads them (``spill.py``). On the CPU
+accelerator the host tier keeps the tensor itself, as before.
 """
 import errno
 import os

@@ -23,13 +23,15 @@ Invariants:
   empties the buffer holding it (``release``), so no region is rewritten or replaced while its write or
   read is in flight; ``clear`` leaves no aio transfer in flight (regions are kept across steps).
 
-``STAGING_BUFFERS`` = 4, the fewest with which no step waits on the device for a staging buffer (measured
-with the lagging device of tests/e2e/test_host_waits.py, every checkpoint spilled, L = 4 and 8, M = 1
-and 8: 3 makes it wait, growing with L and M): in forward, every op reads one checkpoint and spills one,
-so at once one buffer holds the checkpoint being read (its device copy in flight), one the next read
-(prefetched), one receives the checkpoint being spilled, and one lets the spill before it finish its
-copy (the device runs behind the host) and start its write. Each is one checkpoint's bytes of host
-memory beside ``activation_host_memory_mb``, allocated when first needed.
+``STAGING_BUFFERS`` = 4. In forward with every checkpoint spilled each op reads one checkpoint and spills
+one, so at once one buffer holds the checkpoint being read (its device copy in flight), one the next read
+(prefetched) and one receives the spill (its copy, then its write): three is the fewest with which the
+lagging device of tests/e2e/test_host_waits.py (4 events behind the host) never makes the host wait for a
+buffer (two: 35 and 63 waits per step at M = 8, L = 4 and 8). The fourth is a margin for a device further
+behind, whose spill copies complete later: with the double 8 events behind, M = 8, L = 4 and 8, three
+buffers give 31 and 55 waits per step, four 9 and 13, six 6 and 6 (at M = 1: 8 and 16 whatever the
+number: not the ring's). Each buffer is one checkpoint's bytes of host memory beside
+``activation_host_memory_mb``, allocated when first needed (a step that spills little allocates fewer).
 """
 from bisect import bisect_left
 from collections import defaultdict

@@ -309,8 +309,9 @@ def test_a_bigger_checkpoint_for_a_key_replaces_its_region_and_buffer(tmp_path, 
     for micro_batch in small:
         assert torch.equal(activations.take(1, micro_batch), small[micro_batch])
     if not same_step:
-        activations.clear()  # else the writes of the small ones may be in flight: each put waits for its own
-    for micro_batch, value in big.items():
+        activations.clear()
+    # In the same step, the last one put is still in a buffer, its write in flight: its put waits for it first.
+    for micro_batch, value in reversed(big.items()):
         activations.put(1, micro_batch, value)
     for micro_batch, value in big.items():
         assert torch.equal(activations.take(1, micro_batch), value)
