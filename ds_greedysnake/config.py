@@ -29,7 +29,9 @@ class GreedySnakeConfig(DeepSpeedConfigModel):
 
     activation_host_memory_mb: float = Field(4096.0, ge=0)
     """Host memory (MiB) for layer-input checkpoints of all micro-batches; past it, checkpoints
-    spill to SSD under ``<nvme_path>/greedysnake``. 0 spills every checkpoint."""
+    spill to SSD under ``<nvme_path>/greedysnake``. 0 spills every checkpoint. Spilled checkpoints pass
+    through up to four staging buffers of one checkpoint each (``spill.STAGING_BUFFERS``): host memory
+    beside this budget, used only when something spills."""
 
     gradient_host_memory_mb: float = Field(1024.0, ge=0)
     """Host memory (MiB) that hands each layer's accumulated fp32 gradient (this rank's shard) to its

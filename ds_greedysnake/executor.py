@@ -14,7 +14,8 @@ from .layer import LayerOwner
 from .micro_batch import first_layer_input, running_on, split_loss
 from .optimizer import LayerwiseAdam, StepDecision
 from .rng import RngState, capture_rng_state, replaying
-from .schedule import Op, OpKind, build_step_schedule, layers_updated_after_decision, lowest_trainable
+from .schedule import (Op, OpKind, build_step_schedule, checkpoint_reads, evaluation_checkpoint_reads,
+                       layers_updated_after_decision, lowest_trainable)
 
 # (inputs, labels), already on the device; inputs: a tensor or a dict with side inputs (micro_batch.py)
 MicroBatch = Tuple[Any, Any]
@@ -76,6 +77,8 @@ class Executor:
         losses: Dict[int, torch.Tensor] = {}
         self._metrics = {}
         seconds: Dict[str, float] = defaultdict(float)
+        # Spilled checkpoints are read from the SSD ahead of the executor, in the order it reads them.
+        self.activations.expect_reads(checkpoint_reads(self.schedule(num_micro_batches)))
         try:
             decision = self._run_schedule(micro_batches, losses, self._input_grads, seconds)
         except BaseException:
@@ -128,6 +131,8 @@ class Executor:
                     self._run(op, micro_batches, losses, output_grads)
                 # Gradient copies that have run since: their updates go to the worker now, without a wait.
                 self.optimizer.poll()
+                # Checkpoint copies that have run since: their SSD writes start; the next reads start.
+                self.activations.poll()
             seconds[op.kind.value] += time.perf_counter() - started
             if self.recorder.enabled:
                 span = self.recorder.span(op.kind.value, span_started, str(op))
@@ -159,6 +164,7 @@ class Executor:
         micro-batch's logits, whatever the number of micro-batches."""
         last = len(self.layers) - 1
         losses, metrics = [], []
+        self.activations.expect_reads(evaluation_checkpoint_reads(len(self.layers), len(micro_batches)))
         try:
             for layer in self.layers:
                 layer.fetch()
@@ -191,7 +197,10 @@ class Executor:
                 pass
             layer.discard_grads()
         self.optimizer.abandon_step()
-        self.activations.clear()
+        try:
+            self.activations.clear()  # waits for the SSD transfers in flight
+        except Exception:  # the original error is the one worth raising
+            pass
         self._input_grads.clear()
         self._rng_states.clear()
 

@@ -21,7 +21,7 @@ For L=4, M=3 the compute order, as (layer, micro-batch), is:
 """
 from dataclasses import dataclass
 from enum import Enum
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 
 class OpKind(str, Enum):
@@ -166,6 +166,22 @@ def build_step_schedule(num_layers: int, num_micro_batches: int, prefetch: bool 
     # Front layers first: the next forward needs layer 0 first.
     ops.extend(Op(OpKind.UPDATE, layer) for layer in range(deferred_layers) if trains[layer])
     return ops
+
+
+def checkpoint_reads(ops: Sequence[Op]) -> List[Tuple[int, int]]:
+    """The layer-input checkpoints a step reads, as (layer, micro-batch), in the order the executor reads them
+    when it runs ``ops``: forward of layer l >= 1 reads (l, m) (kept for backward when layer l is recomputed,
+    taken otherwise), loss_backward and backward of layer l >= 1 take (l, m); layer 0 reads the micro-batch's
+    inputs. A key read twice is kept at its first read. The activation store reads spilled checkpoints from
+    the SSD ahead of this order."""
+    reading = (OpKind.FORWARD, OpKind.LOSS_BACKWARD, OpKind.BACKWARD)
+    return [(op.layer, op.micro_batch) for op in ops if op.kind in reading and op.layer >= 1]
+
+
+def evaluation_checkpoint_reads(num_layers: int, num_micro_batches: int) -> List[Tuple[int, int]]:
+    """The checkpoints an evaluation (a forward through every layer, micro-batches in order) takes, in order:
+    layer l >= 1 takes (l, m) for every m."""
+    return [(layer, micro_batch) for layer in range(1, num_layers) for micro_batch in range(num_micro_batches)]
 
 
 def layers_updated_after_decision(num_layers: int, overlap: bool, deferred_layers: Optional[int],

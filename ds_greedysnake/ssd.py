@@ -306,6 +306,10 @@ class SsdStore:
     def read_in_flight(self) -> bool:
         return any(transfer.kind == "read" for transfer in self._in_flight)
 
+    def in_flight(self, buffer: torch.Tensor, kind: str) -> bool:
+        """Whether a ``kind`` ("read" or "write") transfer into or from ``buffer`` is in flight (not yet waited for)."""
+        return any(transfer.kind == kind and transfer.buffer is buffer for transfer in self._in_flight)
+
     def _wait_handles(self, transfers: List["_Transfer"]) -> int:
         """Wait on every handle with ops of ``transfers`` in flight; the number of ops they completed."""
         handles = list({id(t.handle): t.handle for t in transfers if t.num_ops}.values())

@@ -8,6 +8,7 @@ from torch import nn
 
 from ds_greedysnake.activations import ActivationStore
 from ds_greedysnake.executor import Executor
+from ds_greedysnake.ssd import IoCounters, SsdStore
 from ds_greedysnake.transfers import Transfers
 
 CPU = torch.device("cpu")
@@ -82,3 +83,36 @@ def test_evaluate_reads_the_next_layer_while_this_one_computes():
     executor.evaluate([(torch.randint(0, 16, (2, 4)), None) for _ in range(3)])
     for index in range(len(layers) - 1):
         assert events.index(("prefetch", index + 1)) < events.index(("run", index)), events
+
+
+def test_evaluate_with_every_checkpoint_spilled_hands_its_read_order_to_the_store(tmp_path):
+    """Evaluation announces the order it reads checkpoints in (layer by layer, micro-batches ascending), and
+    reads them in it; every checkpoint spilled, the losses are the same."""
+    torch.manual_seed(0)
+    modules = [nn.Embedding(16, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 32)]
+    layers = [StubLayer(index, module) for index, module in enumerate(modules)]
+
+    def loss_fn(output, labels):
+        return nn.functional.cross_entropy(output.reshape(-1, 32), labels.reshape(-1))
+
+    counters = IoCounters()
+    store = SsdStore(str(tmp_path), {}, counters, "act")
+    optimizer = SimpleNamespace(needs_every_gradient_first=False)
+    activations = ActivationStore(store, 0, CPU, staging_buffers=2)
+    announced, read = [], []
+    expect_reads, take = activations.expect_reads, activations.take
+    activations.expect_reads = lambda order: announced.append(list(order)) or expect_reads(order)
+    activations.take = lambda *key: read.append(key) or take(*key)
+    executor = Executor(layers, activations, optimizer, loss_fn, torch.float32,
+                        prefetch=True, overlap=False, deferred_layers=None)
+    batches = [(torch.randint(0, 16, (2, 4)), torch.randint(0, 32, (2, 4))) for _ in range(5)]
+    losses, _ = executor.evaluate(batches)
+    with torch.no_grad():
+        expected = [float(loss_fn(modules[3](modules[2](modules[1](modules[0](inputs)))), labels))
+                    for inputs, labels in batches]
+    assert losses == expected
+    assert announced == [read]
+    assert counters.writes["activation"] == 3 * 5  # layers 1, 2 and 3, every micro-batch
+    assert counters.reads["activation"] > 0
+    assert not store._in_flight
+    store.close()

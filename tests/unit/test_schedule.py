@@ -3,7 +3,8 @@ import itertools
 
 import pytest
 
-from ds_greedysnake.schedule import (Op, OpKind, build_step_schedule, default_deferred_layers, format_schedule,
+from ds_greedysnake.schedule import (Op, OpKind, build_step_schedule, checkpoint_reads, default_deferred_layers,
+                                     evaluation_checkpoint_reads, format_schedule, lowest_trainable,
                                      micro_batch_order, parameter_reads_per_step)
 
 SIZES = list(itertools.product(range(2, 7), range(1, 6), [True, False]))
@@ -214,3 +215,36 @@ def test_printable():
 def test_rejects_impossible_sizes(num_layers, num_micro_batches):
     with pytest.raises(ValueError, match="must be at least"):
         build_step_schedule(num_layers, num_micro_batches)
+
+
+def test_checkpoint_reads_match_the_design_example():
+    # Forward reads the inputs of layers 1 and 2 (kept), backward takes those of layers 3, 2 and 1.
+    assert checkpoint_reads(build_step_schedule(4, 3)) == [
+        (1, 2), (1, 1), (1, 0), (2, 0), (2, 1), (2, 2),
+        (3, 2), (3, 1), (3, 0), (2, 0), (2, 1), (2, 2), (1, 2), (1, 1), (1, 0)]
+
+
+@pytest.mark.parametrize("num_layers,num_micro_batches,trainable", [
+    (layers, micro, trainable) for layers, micro in itertools.product(range(2, 7), range(1, 5))
+    for trainable in [None] + [[index >= lowest for index in range(layers)] for lowest in range(1, layers)]])
+def test_checkpoint_reads_are_the_executors(num_layers, num_micro_batches, trainable):
+    """A layer input is read in forward (layers 1 .. L-2) and again in backward exactly when the layer is
+    recomputed (l >= backward_to); the last layer's input only in backward; forward reads come first."""
+    reads = checkpoint_reads(build_step_schedule(num_layers, num_micro_batches, trainable=trainable))
+    backward_to = lowest_trainable(trainable, num_layers)
+    for layer in range(1, num_layers):
+        for micro_batch in range(num_micro_batches):
+            recomputed = layer >= backward_to
+            in_forward = layer < num_layers - 1
+            assert reads.count((layer, micro_batch)) == int(in_forward) + int(recomputed)
+    forward_reads = (num_layers - 2) * num_micro_batches
+    assert [layer for layer, _ in reads[:forward_reads]] == sorted(layer for layer, _ in reads[:forward_reads])
+    # The snake: the first read of each layer in forward is the micro-batch the layer below put last.
+    for layer in range(1, num_layers - 1):
+        first = next(key for key in reads if key[0] == layer)
+        assert first == (layer, micro_batch_order(layer - 1, num_micro_batches)[-1])
+
+
+def test_evaluation_reads_layer_by_layer_in_micro_batch_order():
+    assert evaluation_checkpoint_reads(3, 2) == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    assert evaluation_checkpoint_reads(2, 1) == [(1, 0)]
