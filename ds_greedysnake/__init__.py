@@ -1,10 +1,10 @@
 """ds_greedysnake: vertical (GreedySnake) scheduling for SSD-offloaded training on DeepSpeed."""
 from .accelerate_prepare import prepare
 from .config import GreedySnakeConfig, GreedySnakeConfigError
-from .initialize import initialize
+from .initialize import from_pretrained, initialize
 from .micro_batch import LossWithMetrics
 from .model_split import ModelSplitError
-from .pretrained import PretrainedWeightsError, from_pretrained
+from .pretrained import PretrainedWeightsError
 from .weights import WeightsAccessError
 from .zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_dict, get_fp32_state_dict_from_zero_checkpoint,
                            load_state_dict_from_zero_checkpoint)

@@ -27,7 +27,7 @@ import torch
 
 from .checkpoint_format import (BUFFERS, DEEPSPEED_DECOY, FORMAT_VERSION, MANIFEST, STATE, WEIGHTS_INDEX,
                                 CheckpointError, LayerState, SavedCheckpoint, deepspeed_decoy, encode_layer,
-                                encode_manifest, encode_state, open_checkpoint, read_manifest)
+                                encode_manifest, encode_state, open_checkpoint, read_manifest, write_recovery_script)
 
 __all__ = ["FORMAT_VERSION", "LATEST", "CheckpointError", "LayerState", "CheckpointWriter", "resolve_tag",
            "write_checkpoint", "restore_checkpoint", "read_full_layer", "remove_old_checkpoints"]
@@ -161,7 +161,6 @@ def write_checkpoint(save_dir: str, tag: str, layers, optimizer, parallel, count
         parallel.barrier()
         if publisher:
             writer.publish(save_latest)
-            from .zero_to_fp32 import write_recovery_script
             write_recovery_script(save_dir)  # as DeepSpeed's engine copies its own there
     except BaseException:
         if publisher:

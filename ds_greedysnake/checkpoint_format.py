@@ -19,6 +19,9 @@ Format 2, in ``<save_dir>/<tag>/``:
   DeepSpeed's own zero_to_fp32 globs for, so that its error ("<path> is not a model state checkpoint")
   names the command that converts this checkpoint.
 
+Beside the tags, ``<save_dir>/zero_to_fp32.py`` (``RECOVERY_SCRIPT``, rewritten by each save), as DeepSpeed's
+engine copies its own there: it runs ``ds_greedysnake.zero_to_fp32``.
+
 Format 1 (before it): per rank ``state.rank<r>.pt`` (all of the above) and ``layer_<i>.rank<r>.pt``
 (a dict of the three tensors), both pickles. They are read with the same weights-only loader: one
 holding only what format 1 wrote loads, any other is refused.
@@ -55,6 +58,27 @@ DEEPSPEED_REFUSAL = ("this is a ds_greedysnake checkpoint, which DeepSpeed's zer
                      "with the zero_to_fp32.py in the folder above it (python zero_to_fp32.py . output_dir "
                      "--safe_serialization), or from Python with ds_greedysnake.get_fp32_state_dict_from_zero_checkpoint")
 
+RECOVERY_SCRIPT_NAME = "zero_to_fp32.py"
+RECOVERY_SCRIPT = '''#!/usr/bin/env python
+"""Written by ds_greedysnake's save_checkpoint: recovers the fp32 weights of the greedysnake checkpoints
+in this folder, with the command line of DeepSpeed's zero_to_fp32.py (which cannot read them):
+
+    python zero_to_fp32.py . output_dir/ [--safe_serialization] [-t global_step14] [--max_shard_size 5GB]
+
+The work is done by ds_greedysnake.zero_to_fp32 (python -m ds_greedysnake.zero_to_fp32 --help).
+"""
+import sys
+
+try:
+    from ds_greedysnake.zero_to_fp32 import main
+except ImportError as error:
+    sys.exit(f"zero_to_fp32.py: the checkpoints in this folder were saved by ds_greedysnake, and converting "
+             f"them needs it installed ({error}): pip install the ds_greedysnake package, then run this again")
+
+if __name__ == "__main__":
+    sys.exit(main())
+'''
+
 
 def deepspeed_decoy() -> Dict[str, str]:
     """The content of DEEPSPEED_DECOY: no ``buffer_names``, so DeepSpeed's parse_model_states stops at it
@@ -73,6 +97,17 @@ except ImportError:  # numpy 1
 SAFE_STATE_GLOBALS = [numpy.dtype, _numpy_scalar, (_numpy_scalar, "numpy.core.multiarray.scalar")] + [
     type(numpy.dtype(kind)) for kind in (numpy.float64, numpy.float32, numpy.float16, numpy.int64, numpy.int32,
                                          numpy.int16, numpy.int8, numpy.uint8, numpy.bool_)]
+
+
+def write_recovery_script(save_dir: str) -> str:
+    """``<save_dir>/zero_to_fp32.py``, replaced atomically (a killed save leaves the old one or the new one)."""
+    path = os.path.join(save_dir, RECOVERY_SCRIPT_NAME)
+    staged = os.path.join(save_dir, f".tmp.{RECOVERY_SCRIPT_NAME}.{os.getpid()}")
+    with open(staged, "w") as handle:
+        handle.write(RECOVERY_SCRIPT)
+    os.chmod(staged, 0o755)
+    os.replace(staged, path)
+    return path
 
 
 class CheckpointError(RuntimeError):

@@ -23,10 +23,9 @@ from typing import Dict, List, Tuple, Union
 import torch
 from torch import nn
 
+from .shared import INDEX_FILE, SINGLE_FILE
 from .weights import LayerSource, WeightPlan, WeightsAccessError, as_dtype, layer_params_of
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = "1GB"
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 

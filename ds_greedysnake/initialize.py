@@ -3,7 +3,7 @@ import json
 import os
 import types
 from datetime import timedelta
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, Optional, Union
 
 import torch
 import deepspeed
@@ -15,7 +15,7 @@ from .config import check_ds_config, parse_greedysnake_config
 from .deepspeed_compat import parsed_ds_config, remove_shm_buffer_at_exit
 from .engine import GreedySnakeEngine
 from .model_split import split_model
-from .pretrained import PretrainedWeights, initialise_adapters_on_meta, leave_meta_device
+from .pretrained import PretrainedWeights, empty_model, initialise_adapters_on_meta, leave_meta_device
 
 
 def load_config(config: Any) -> Dict[str, Any]:
@@ -81,6 +81,21 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
                                dist_init_required=dist_init_required,
                                config=ds_config, config_class=parsed_ds_config(ds_config, mpu), **common)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def from_pretrained(model_dir: Union[str, os.PathLike], config, loss_fn=None, dtype: Optional[torch.dtype] = None,
+                    **initialize_kwargs):
+    """``initialize`` for an HF causal LM from a pretrained folder, never holding the model in host
+    memory. ``config``: the ds_config (path or dict); ``loss_fn`` defaults to HF's causal LM loss;
+    ``dtype`` of the (empty) model defaults to bf16 under a bf16 config, else fp32.
+    Returns ``(engine, optimizer, training_dataloader, lr_scheduler)``."""
+    from .models.hf import hf_causal_lm_loss
+    ds_config = load_config(config)
+    if dtype is None:
+        dtype = torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else torch.float32
+    model = empty_model(str(model_dir), dtype)
+    return initialize(model=model, config=ds_config, loss_fn=loss_fn or hf_causal_lm_loss, pretrained=model_dir,
+                      **initialize_kwargs)
 
 
 def select_device(args=None) -> None:

@@ -4,10 +4,7 @@ from typing import List, Tuple
 
 from torch import nn
 
-
-class ModelSplitError(ValueError):
-    """The model cannot be run layer by layer; the message says what it needs."""
-
+from .shared import ModelSplitError
 
 _WHAT_IS_NEEDED = (
     "greedysnake runs a model layer by layer and needs either a torch.nn.Sequential "
@@ -54,7 +51,7 @@ def split_model(model: nn.Module) -> List[nn.Module]:
 
 def plan_split(model: nn.Module) -> ModelSplit:
     """The layers and the parameters the head borrows from the input layer (tied embeddings)."""
-    from .models.hf import hf_layers, is_hf_causal_lm  # hf imports ModelSplitError from here
+    from .models.hf import hf_layers, is_hf_causal_lm
 
     base = peft_base_model(model)
     if base is not None:

@@ -17,13 +17,13 @@ through), and its adapters, which the folder does not hold, start as PEFT initia
 import contextlib
 import json
 import os
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterator, List, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
 from .deepspeed_compat import logical_shape, mark_full_shape
-from .export import INDEX_FILE, SINGLE_FILE
+from .shared import INDEX_FILE, SINGLE_FILE
 
 
 class PretrainedWeightsError(ValueError):
@@ -244,17 +244,10 @@ def _full_shape(param: nn.Parameter) -> torch.Size:
     return logical_shape(param)
 
 
-def from_pretrained(model_dir: Union[str, os.PathLike], config, loss_fn=None, dtype: Optional[torch.dtype] = None,
-                    **initialize_kwargs):
-    """``initialize`` for an HF causal LM from a pretrained folder, never holding the model in host
-    memory. ``config``: the ds_config (path or dict); ``loss_fn`` defaults to HF's causal LM loss;
-    ``dtype`` of the (empty) model defaults to bf16 under a bf16 config, else fp32.
-    Returns ``(engine, optimizer, training_dataloader, lr_scheduler)``."""
-    from .initialize import initialize, load_config
-    from .models.hf import hf_causal_lm_loss
-    ds_config = load_config(config)
-    if dtype is None:
-        dtype = torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else torch.float32
-    model = empty_model(str(model_dir), dtype)
-    return initialize(model=model, config=ds_config, loss_fn=loss_fn or hf_causal_lm_loss, pretrained=model_dir,
-                      **initialize_kwargs)
+def __getattr__(name):
+    # from_pretrained calls initialize, which builds on this module: it lives in initialize.py (an import
+    # of it from here would be a circle). The old path still works for a user who asks for it.
+    if name == "from_pretrained":
+        from .initialize import from_pretrained
+        return from_pretrained
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -35,36 +35,17 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from .checkpoint_format import (BUFFERS, DEEPSPEED_DECOY, WEIGHTS_INDEX, CheckpointError, SavedCheckpointV2,
-                                open_checkpoint)
+from .checkpoint_format import (BUFFERS, DEEPSPEED_DECOY, RECOVERY_SCRIPT_NAME, WEIGHTS_INDEX, CheckpointError,
+                                SavedCheckpointV2, open_checkpoint)
+from .checkpoint_format import RECOVERY_SCRIPT, write_recovery_script  # noqa: F401 (re-exported)
 from .weights import WeightPlan, as_dtype
 
 __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_fp32_state_dict",
            "convert_zero_checkpoint_to_state_dict", "load_state_dict_from_zero_checkpoint", "RECOVERY_SCRIPT_NAME"]
 
-RECOVERY_SCRIPT_NAME = "zero_to_fp32.py"
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # DeepSpeed's default
 INDEX_FORMAT = 1
 
-RECOVERY_SCRIPT = '''#!/usr/bin/env python
-"""Written by ds_greedysnake's save_checkpoint: recovers the fp32 weights of the greedysnake checkpoints
-in this folder, with the command line of DeepSpeed's zero_to_fp32.py (which cannot read them):
-
-    python zero_to_fp32.py . output_dir/ [--safe_serialization] [-t global_step14] [--max_shard_size 5GB]
-
-The work is done by ds_greedysnake.zero_to_fp32 (python -m ds_greedysnake.zero_to_fp32 --help).
-"""
-import sys
-
-try:
-    from ds_greedysnake.zero_to_fp32 import main
-except ImportError as error:
-    sys.exit(f"zero_to_fp32.py: the checkpoints in this folder were saved by ds_greedysnake, and converting "
-             f"them needs it installed ({error}): pip install the ds_greedysnake package, then run this again")
-
-if __name__ == "__main__":
-    sys.exit(main())
-'''
 
 class ZeroToFp32Error(ValueError):
     """A checkpoint or option zero_to_fp32 cannot convert; the message names it and what works."""
@@ -100,17 +81,6 @@ def _kept_by_save_pretrained(plan: WeightPlan) -> set:
         return set()
     from .export import saved_keys
     return set(saved_keys(plan))
-
-
-def write_recovery_script(save_dir: str) -> str:
-    """``<save_dir>/zero_to_fp32.py``, replaced atomically (a killed save leaves the old one or the new one)."""
-    path = os.path.join(save_dir, RECOVERY_SCRIPT_NAME)
-    staged = os.path.join(save_dir, f".tmp.{RECOVERY_SCRIPT_NAME}.{os.getpid()}")
-    with open(staged, "w") as handle:
-        handle.write(RECOVERY_SCRIPT)
-    os.chmod(staged, 0o755)
-    os.replace(staged, path)
-    return path
 
 
 # ----------------------------------------------------------------------------- reading a checkpoint

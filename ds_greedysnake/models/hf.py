@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..micro_batch import side_input_on_host, side_inputs as current_side_inputs
-from ..model_split import ModelSplitError
+from ..shared import ModelSplitError
 
 # The only per-family hint: attribute names under which a decoder stack keeps its rotary module
 # (a parameterless module; several families share the name).
