@@ -1,6 +1,6 @@
 """SSD bytes per parameter of each configuration: computed by the engine's layout code (ssd_layout.py) for a
 model shape, and with --measure, measured from the files greedysnake and ZeRO-Infinity create on disk for
-a small GPT (the README's table comes from this script).
+a small GPT (docs/ssd_space.md's table comes from this script).
 
     python scripts/ssd_space.py                                  # computed, for gpt-65b
     python scripts/ssd_space.py --model gpt-small
