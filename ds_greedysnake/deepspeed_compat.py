@@ -424,6 +424,12 @@ def build_for_set_up(names: Sequence[str]) -> List[prebuilt_ops.BuiltOp]:
     jit_load = getattr(OpBuilder.jit_load, "__wrapped__", OpBuilder.jit_load)  # not the run-time warning
     saved = os.environ.get("TORCH_EXTENSIONS_DIR")
     os.environ["TORCH_EXTENSIONS_DIR"] = target  # torch reads it at each build
+    saved_arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if saved_arch_list is not None and builder_arch_list(saved_arch_list) != saved_arch_list:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = builder_arch_list(saved_arch_list)
+        logger.warning(f"ds_greedysnake: TORCH_CUDA_ARCH_LIST={saved_arch_list!r} is read as "
+                       f"{os.environ['TORCH_CUDA_ARCH_LIST']!r} for DeepSpeed's op build (its parser takes no "
+                       "architecture suffix such as 9.0a)")
     built = []
     try:
         for name in names:
@@ -440,11 +446,31 @@ def build_for_set_up(names: Sequence[str]) -> List[prebuilt_ops.BuiltOp]:
             _SET_UP_MODULES[name] = module
             built.append(op)
     finally:
-        if saved is None:
-            os.environ.pop("TORCH_EXTENSIONS_DIR", None)
-        else:
-            os.environ["TORCH_EXTENSIONS_DIR"] = saved
+        for variable, value in (("TORCH_EXTENSIONS_DIR", saved), ("TORCH_CUDA_ARCH_LIST", saved_arch_list)):
+            if value is None:
+                os.environ.pop(variable, None)
+            else:
+                os.environ[variable] = value
     return built
+
+
+_ARCH = re.compile(r"^(\d+)\.(\d+)[a-z]?(\+PTX)?$")
+
+
+def builder_arch_list(value: str) -> str:
+    """TORCH_CUDA_ARCH_LIST as DeepSpeed 0.19.8's op builder can read it. Its ``compute_capability_args``
+    parses every part of an entry as an integer, so torch's architecture-specific entries ("9.0a", which
+    the GPU machine's image sets, or "10.0f") abort every CUDA op build with a ValueError; the builder then
+    compiles for the numeric architecture ("9.0"). Entries it cannot read at all are left for it to refuse."""
+    entries = []
+    for entry in value.replace(" ", ";").split(";"):
+        entry = entry.strip()
+        match = _ARCH.match(entry)
+        if match:
+            entry = f"{match.group(1)}.{match.group(2)}{match.group(3) or ''}"
+        if entry and entry not in entries:
+            entries.append(entry)
+    return ";".join(entries)
 
 
 _FLAVOUR_LINE = re.compile(r"is created with (\S+) arithmetic capability")

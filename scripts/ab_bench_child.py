@@ -264,9 +264,14 @@ def measure_machine(spec: dict) -> dict:
     print(f"{time.strftime('%H:%M:%S')} importing", flush=True)
     import torch
     from ab_bench_floor import adam_step_seconds
+    from deepspeed.accelerator import get_accelerator
     from ds_greedysnake.models.gpt import build_gpt, lm_loss
 
-    result = {"torch_threads": torch.get_num_threads(), "cpus": os.cpu_count()}
+    # The compute terms time the engines' compute device: on a GPU the model runs there, timed between
+    # synchronizes (the first GPU run timed it on the host's cores instead, 170 s of probe for a
+    # roofline of the wrong device).
+    device, synchronize = get_accelerator().current_device_name(), get_accelerator().synchronize
+    result = {"torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(), "compute_device": str(device)}
     folder = spec["nvme_path"]
     result.update(measure_ssd_rates(folder, spec["ssd_region_mib"], spec["ssd_repeats"]))
     # CPU Adam: DeepSpeed's kernel on flat fp32 tensors.
@@ -276,28 +281,33 @@ def measure_machine(spec: dict) -> dict:
     result["compute"] = {}
     for name, model_spec in spec["configs"].items():
         torch.manual_seed(0)
-        model = build_gpt(gpt_config(model_spec))
+        model = build_gpt(gpt_config(model_spec)).to(device)
         tokens = torch.randint(0, model_spec["vocab"], (model_spec["micro_batch_size"], model_spec["seq_len"]))
+        tokens = tokens.to(device)
         forward, forward_backward = [], []
         for _ in range(spec["compute_repeats"] + 1):
+            synchronize()
             started = time.perf_counter()
             with torch.no_grad():
                 model(tokens)
+            synchronize()
             forward.append(time.perf_counter() - started)
             started = time.perf_counter()
             lm_loss(model(tokens), tokens).backward()
+            synchronize()
             forward_backward.append(time.perf_counter() - started)
             model.zero_grad(set_to_none=False)  # reuse the gradient buffers, as the engines do
         # The fastest repeat: the roofline is the best the machine does (this machine is shared and noisy).
         result["compute"][name] = {"forward_s": min(forward[1:]), "forward_backward_s": min(forward_backward[1:]),
                                    "vertical": {}}
         for m in spec.get("micro_batches", []):
-            result["compute"][name]["vertical"][str(m)] = vertical_compute(model, tokens, m, spec["compute_repeats"])
+            result["compute"][name]["vertical"][str(m)] = vertical_compute(model, tokens, m, spec["compute_repeats"],
+                                                                          synchronize)
         # The same while another process streams reads and writes through the SSD at full rate: overlapping
         # SSD transfers with compute is what both engines do, and on this virtual machine it slows compute.
         streaming, rate = with_ssd_streaming(
             os.path.join(folder, f"streaming_{name}"),
-            lambda: {str(m): vertical_compute(model, tokens, m, spec["compute_repeats"])
+            lambda: {str(m): vertical_compute(model, tokens, m, spec["compute_repeats"], synchronize)
                      for m in spec.get("micro_batches", [])})
         result["compute"][name]["vertical_streaming"] = streaming
         result["compute"][name]["streaming_bytes_per_s"] = rate

@@ -12,7 +12,7 @@
 #    offline wheelhouse, e.g. "--no-index --find-links /wheels"), this package, and DeepSpeed's native ops
 #    built for both accelerators (the GPU build of async_io needs a CUDA toolkit: nvcc and headers, found
 #    through CUDA_HOME; the optimizer worker's CPU build goes to its own folder: scripts/native_ops.py build).
-# 2. Then, within CHECK_SECONDS (default 300) from the script's start, set-up included, each stage under its
+# 2. Then, within CHECK_SECONDS (default 330) from the script's start, set-up included, each stage under its
 #    own timeout:
 #    fp32 and bf16 parity against plain PyTorch on the GPU; the one-rank A/B of ssd_bound at M=1 and 8
 #    against ZeRO-Infinity (scripts/ab_bench.py); a profile of one step (the share of each layer's
@@ -37,7 +37,8 @@ done
 started=$(date +%s)
 OUT="$(mkdir -p "${1:-$REPO/results/gpu_check}" && cd "${1:-$REPO/results/gpu_check}" && pwd)"
 # The whole check, set-up included, from the script's start (one device command of at most 5 minutes).
-CHECK_SECONDS="${CHECK_SECONDS:-300}"
+# 330 s: a machine's start took 30 s on 2026-12-04, so two tries still fit in 15 minutes of device time.
+CHECK_SECONDS="${CHECK_SECONDS:-330}"
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$REPO/.cache/torch_extensions}"
 export NVME_PATH="${GPU_CHECK_NVME:-$REPO/.nvme_swap/gpu_check}"
 mkdir -p "$NVME_PATH"
@@ -89,12 +90,16 @@ if [ -n "$WHEELHOUSE" ]; then
     # DeepSpeed's libaio check (CFLAGS, LDFLAGS) and the loader (LD_LIBRARY_PATH); CUDA's stub libcuda last,
     # for a driver whose libcuda.so has no unversioned link.
     AIO="$REPO/.cache/libaio"
+    mkdir -p "$AIO"  # dpkg -x makes no parent folder (a fresh tree has no .cache: the first GPU run failed here)
     for deb in "$WHEELHOUSE"/libaio*.deb; do dpkg -x "$deb" "$AIO" || exit 3; done
     lib="$AIO/usr/lib/x86_64-linux-gnu"
     export CPATH="$AIO/usr/include${CPATH:+:$CPATH}" LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     export LIBRARY_PATH="$lib${LIBRARY_PATH:+:$LIBRARY_PATH}:${CUDA_HOME:-/usr/local/cuda}/lib64/stubs"
     export CFLAGS="-I$AIO/usr/include ${CFLAGS:-}" LDFLAGS="-L$lib ${LDFLAGS:-}"
     PY="${GPU_CHECK_PYTHON:-python3}"  # the machine's own, with its torch
+    # Every pip this starts reads DIR alone: the image's setuptools runs `pip install -e .` again inside
+    # `setup.py develop`, without the options below, and that inner pip went to the network (GPU run, 2026-12-04).
+    export PIP_NO_INDEX=1 PIP_FIND_LINKS="$WHEELHOUSE"
     log "installing from $WHEELHOUSE into $("$PY" -c 'import sys; print(sys.prefix)')"
     # What the check runs on, pinned as setup.py pins it, with what they need from DIR or the image; then this
     # package without its other requirements (scipy for the planner, matplotlib for plots: the check uses
@@ -161,10 +166,12 @@ if [ "$DRY_RUN" = 1 ]; then
     PROFILE_OPTIONS=(--small)
     PARITY_SECONDS=600 AB_SECONDS=1800 PROFILE_SECONDS=600
 else
-    AB_OPTIONS=(--micro-batches 1 8 --warmup 1 --steps 2)
+    # M=8 alone: on the H200 (2026-12-04) the A/B at M=8 took 85 s besides its machine probe, and set-up
+    # about 100 s and each parity stage 35 s of the budget.
+    AB_OPTIONS=(--micro-batches 8 --warmup 1 --steps 2)
     LORA_OPTIONS=(--warmup 1 --steps 3)
     PROFILE_OPTIONS=()
-    PARITY_SECONDS=40 AB_SECONDS=90 PROFILE_SECONDS=45
+    PARITY_SECONDS=40 AB_SECONDS=120 PROFILE_SECONDS=45
 fi
 stage parity_fp32 "$PARITY_SECONDS" "$PY" scripts/gpu_check.py parity --dtype fp32 --out "$OUT/parity_fp32.json" \
     --nvme-path "$NVME_PATH"

@@ -1,5 +1,6 @@
 """Fails loudly when a DeepSpeed release drops a private piece greedysnake relies on."""
 import deepspeed
+import pytest
 import torch
 
 from ds_greedysnake import deepspeed_compat
@@ -41,3 +42,21 @@ def test_locked_buffers_bypass_bounce_copies_and_a_small_memlock_limit_is_named(
     with pytest.raises(MemoryError, match=r"memlock limit is 8388608 bytes: raise it \(ulimit -l"):
         deepspeed_compat._check_memlock(64 << 20)
     deepspeed_compat._check_memlock(1 << 20)  # within the limit: fine
+
+
+def test_op_builds_read_torch_arch_suffixes_as_deepspeed_can(monkeypatch):
+    """The GPU machine's image sets TORCH_CUDA_ARCH_LIST=9.0a, on which DeepSpeed 0.19.8's CUDA op build
+    aborts (its compute_capability_args parses "0a" as an int; seen there on 2026-12-04): set-up's build
+    hands it the numeric architecture, which it reads."""
+    from deepspeed.ops.op_builder.async_io import AsyncIOBuilder
+
+    builder = AsyncIOBuilder()
+    builder.jit_mode = True
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    with pytest.raises(ValueError):
+        builder.compute_capability_args()
+    for value, read in (("9.0a", "9.0"), ("8.0;9.0a+PTX", "8.0;9.0+PTX"), ("8.0 9.0 9.0a", "8.0;9.0"),
+                        ("10.0f;12.0", "10.0;12.0"), ("7.5;8.6", "7.5;8.6")):
+        assert deepspeed_compat.builder_arch_list(value) == read
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", deepspeed_compat.builder_arch_list(value))
+        builder.compute_capability_args()  # no ValueError
