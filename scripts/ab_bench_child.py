@@ -18,6 +18,15 @@ from ab_bench_setup import (AIO, MIB, add_lora, ds_config, gpt_config, largest_p
                             process_io)
 
 
+def _copy_into_partitioned(model, same) -> None:
+    """Every parameter of ``model`` (partitioned by zero.Init) takes the value of ``same``'s."""
+    import deepspeed
+
+    for param, value in zip(model.parameters(), same.parameters(), strict=True):
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+            param.data.copy_(value.data)
+
+
 def run_engine(spec: dict) -> dict:
     print(f"{time.strftime('%H:%M:%S')} importing", flush=True)
     import torch
@@ -52,9 +61,7 @@ def run_engine(spec: dict) -> dict:
             model = add_lora(build_gpt(gpt), model_spec)
         # PEFT initialises an adapter after creating it (lora_B zeroed), which under zero.Init reaches only an
         # empty partition: copy the same model's values in, so that both engines train one model.
-        for param, value in zip(model.parameters(), same.parameters()):
-            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
-                param.data.copy_(value.data)
+        _copy_into_partitioned(model, same)
         del same
     elif engine_name == "zero_infinity":
         class CheckpointedGPT(nn.Sequential):
@@ -71,8 +78,14 @@ def run_engine(spec: dict) -> dict:
         from deepspeed.accelerator import get_accelerator
         deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
         deepspeed.checkpointing.configure(None, deepspeed_config=ds)
+        same = build_gpt(gpt)  # what greedysnake trains, from the same seed, on the host's generator
         with deepspeed.zero.Init(config_dict_or_path=ds):
             model = CheckpointedGPT(*build_gpt(gpt))
+        # On a GPU zero.Init creates each parameter on the device, drawn from the device's generator, so the
+        # two engines started from different weights (the H200's first A/B, 2026-12-04: step-1 losses 7.750
+        # and 7.838): copy the host model's values in, as for LoRA above.
+        _copy_into_partitioned(model, same)
+        del same
     else:
         model = add_lora(build_gpt(gpt), model_spec)
     parameters = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())

@@ -251,7 +251,7 @@ def _markdown(summary: dict) -> str:
     prof = summary["profile"]
     share = None if prof is None else prof["hidden_share"]
     hidden = "" if share is None else "{:.0f}% of {:.1f} ms".format(100 * share, prof["copy_ms"])
-    lines.append(f"| host-to-device copy hidden under compute | {_verdict(summary['checks']['h2d_hidden_share_measured'])}"
+    lines.append(f"| share of host-to-device copy hidden under compute measured | {_verdict(summary['checks']['h2d_hidden_share_measured'])}"
                  f" | {hidden} |")
     if summary["ab_ssd_bound"]:
         lines += ["", "| M | greedysnake s/step | ZeRO-Infinity s/step | speedup | final-loss difference |",
