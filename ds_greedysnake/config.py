@@ -157,8 +157,13 @@ def training_threads_for(config: GreedySnakeConfig, device_type: str) -> Optiona
 
 
 def parse_greedysnake_config(ds_config: Dict[str, Any]) -> GreedySnakeConfig:
-    """Read the block, turning pydantic's validation error into one that names the key."""
-    block = ds_config.get(GREEDYSNAKE_KEY, {})
+    """Read the block, turning pydantic's validation error into one that names the key. Below
+    ``initialize`` the block comes parsed, in ``settings.Settings.greedysnake``."""
+    return parse_greedysnake_block(ds_config.get(GREEDYSNAKE_KEY, {}))
+
+
+def parse_greedysnake_block(block: Any) -> GreedySnakeConfig:
+    """The ``"greedysnake"`` block itself (``parse_greedysnake_config``)."""
     if not isinstance(block, dict):
         raise GreedySnakeConfigError(
             f'"{GREEDYSNAKE_KEY}" must be an object like {{"enabled": true}}, got {block!r}')

@@ -29,7 +29,7 @@ from deepspeed.runtime import constants as ds_constants
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.swap_tensor import partitioned_param_swapper
-from deepspeed.runtime.swap_tensor.aio_config import get_aio_config
+from deepspeed.runtime.swap_tensor.aio_config import AIO_DEFAULT_DICT, get_aio_config
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.utils import groups, logger
 
@@ -132,10 +132,6 @@ class EngineBase(DeepSpeedEngine):
     # The subclass says so when every rank reads the initial weights from the same files
     # (initialize(pretrained=...)): the module then holds empty placeholders, nothing to broadcast.
     weights_come_from_files = False
-
-    @property
-    def ds_config_dict(self) -> Dict[str, Any]:
-        return self._config._param_dict
 
 
 BROADCAST_PIECE_BYTES = 64 << 20
@@ -506,16 +502,35 @@ def cpu_adam_simd_flavour() -> str:
 # ----------------------------------------------------------------------------- async I/O
 
 
-def aio_settings(ds_config: Dict[str, Any]) -> Dict[str, Any]:
-    """The ds_config ``aio`` block with DeepSpeed's defaults filled in."""
-    return get_aio_config(ds_config)
+_AIO_DEFAULTS = dict(AIO_DEFAULT_DICT)  # DeepSpeed's defaults for a config without an "aio" block
 
 
-def new_aio_handle(ds_config: Dict[str, Any]):
-    settings = aio_settings(ds_config)
+@dataclass(frozen=True)
+class AioSettings:
+    """The ds_config ``aio`` block, DeepSpeed's defaults filled in: what every aio handle is made with."""
+    block_size: int = _AIO_DEFAULTS["block_size"]
+    queue_depth: int = _AIO_DEFAULTS["queue_depth"]
+    intra_op_parallelism: int = _AIO_DEFAULTS["intra_op_parallelism"]
+    single_submit: bool = _AIO_DEFAULTS["single_submit"]
+    overlap_events: bool = _AIO_DEFAULTS["overlap_events"]
+    use_gds: bool = _AIO_DEFAULTS["use_gds"]
+
+    def as_dict(self) -> Dict[str, Any]:
+        """In DeepSpeed's key order (the planner's probe notes print it)."""
+        return {key: getattr(self, key) for key in _AIO_DEFAULTS}
+
+
+def aio_settings(ds_config: Dict[str, Any]) -> AioSettings:
+    """The ds_config ``aio`` block parsed by DeepSpeed (its defaults filled in); called once, by
+    ``settings.settings_from_ds_config``."""
+    parsed = get_aio_config(ds_config)
+    return AioSettings(**{key: parsed[key] for key in _AIO_DEFAULTS})
+
+
+def new_aio_handle(aio: AioSettings):
     module = load_native_op("async_io")
-    return module.aio_handle(settings["block_size"], settings["queue_depth"], settings["single_submit"],
-                             settings["overlap_events"], settings["intra_op_parallelism"])
+    return module.aio_handle(aio.block_size, aio.queue_depth, aio.single_submit, aio.overlap_events,
+                             aio.intra_op_parallelism)
 
 
 # ----------------------------------------------------------------------------- CPU Adam

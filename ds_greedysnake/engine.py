@@ -11,7 +11,7 @@ from deepspeed.utils import logger
 
 from .activations import ActivationStore
 from .checkpoint import restore_checkpoint, write_checkpoint
-from .config import GreedySnakeConfig, training_threads_for, worker_threads_for
+from .config import training_threads_for, worker_threads_for
 from .deepspeed_compat import EngineBase, accelerator_device
 from .executor import Executor, StepResult
 from .export import write_hf_checkpoint, write_peft_adapters
@@ -22,6 +22,7 @@ from .parallel import DataParallel
 from .model_split import peft_base_model, plan_split
 from .optimizer import LayerwiseAdam, OptimizerSettings
 from .pretrained import PretrainedWeights
+from .settings import Settings
 from .ssd import IoCounters, SsdStore, SwapFolderLock
 from .weights import LayerParams, LayerSource, ModuleWeightAccess, WeightPlan, as_dtype
 from .zero_to_fp32 import describe_weights
@@ -79,17 +80,21 @@ def short_data_error(arrived: int, wanted: int, from_config: bool) -> Exception:
 class _Setup:
     """Arguments the subclass needs inside DeepSpeed's constructor (kept off nn.Module attributes)."""
 
-    def __init__(self, config: GreedySnakeConfig, loss_fn: Callable, nvme_path: str,
+    def __init__(self, settings: Settings, loss_fn: Callable, nvme_path: str,
                  pretrained: Optional[PretrainedWeights] = None):
-        self.config, self.loss_fn, self.nvme_path = config, loss_fn, nvme_path
+        self.settings, self.config = settings, settings.greedysnake
+        self.loss_fn, self.nvme_path = loss_fn, nvme_path
         self.pretrained = pretrained  # initial weights from a pretrained folder instead of the module's
 
 
 class GreedySnakeEngine(EngineBase):
 
-    def __init__(self, greedysnake_config: GreedySnakeConfig, loss_fn: Callable, nvme_path: str,
+    def __init__(self, settings: Settings, loss_fn: Callable, nvme_path: str,
                  pretrained: Optional[PretrainedWeights] = None, **ds_kwargs):
-        self._setup = _Setup(greedysnake_config, loss_fn, nvme_path, pretrained)
+        """``settings``: the ds_config parsed once by ``initialize``; ``ds_kwargs`` DeepSpeed's engine's
+        (with the ds_config dict, which only DeepSpeed's constructor reads)."""
+        self._setup = _Setup(settings, loss_fn, nvme_path, pretrained)
+        self.settings = settings
         # What this engine opens (the swap folder's lock, aio handles and locked buffers, the optimizer worker
         # and its shared memory), closed in reverse order by ``close``, or at once when the constructor fails:
         # a script that catches the failure and retries elsewhere leaks nothing.
@@ -144,9 +149,8 @@ class GreedySnakeEngine(EngineBase):
         overlap = setup.config.optimizer_overlap
         clipping = float(self.gradient_clipping() or 0.0)
         # Plans every SSD region, logs their bytes and checks the disk holds them before creating any.
-        settings = OptimizerSettings.from_config(setup.config, self.ds_config_dict, clipping, self.compute_dtype,
-                                                 accumulate_dtype, num_layers,
-                                                 worker_threads_for(setup.config, device.type))
+        settings = OptimizerSettings.from_settings(setup.settings, clipping, self.compute_dtype, accumulate_dtype,
+                                                   num_layers, worker_threads_for(setup.config, device.type))
         optimizer = LayerwiseAdam(self.layers, optimizer_store, settings, self.parallel)
         self._opened.callback(optimizer.close)
         # The layer computing and the ones being prefetched (with prefetch off, a fetch still needs two
@@ -189,7 +193,7 @@ class GreedySnakeEngine(EngineBase):
                         "greedysnake.training_threads)")
 
     def _open_store(self, folder: str, name: str, read_handles: int) -> SsdStore:
-        store = SsdStore(folder, self.ds_config_dict, self.io_counters, name, read_handles=read_handles)
+        store = SsdStore(folder, self.settings.aio, self.io_counters, name, read_handles=read_handles)
         self._opened.callback(store.close)
         return store
 

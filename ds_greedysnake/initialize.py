@@ -1,4 +1,7 @@
-"""``initialize``: deepspeed.initialize's signature, the vertical engine when the block enables it."""
+"""``initialize``: deepspeed.initialize's signature, the vertical engine when the block enables it.
+
+The ds_config is parsed here, once, into a ``settings.Settings``: the engine and everything below it
+receive that, never the dict (which only DeepSpeed's own constructor reads)."""
 import json
 import os
 import types
@@ -11,11 +14,12 @@ from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import log_dist
 
-from .config import check_ds_config, parse_greedysnake_config
+from .config import check_ds_config
 from .deepspeed_compat import parsed_ds_config, remove_shm_buffer_at_exit
 from .engine import GreedySnakeEngine
 from .model_split import split_model
 from .pretrained import PretrainedWeights, empty_model, initialise_adapters_on_meta, leave_meta_device
+from .settings import Settings, bf16_enabled, settings_from_ds_config, with_plan_applied
 
 
 def load_config(config: Any) -> Dict[str, Any]:
@@ -45,7 +49,8 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
     if loss_fn is None:
         raise ValueError("initialize needs loss_fn(output, labels): train_batch computes the loss per micro-batch")
     ds_config = load_config(config)
-    greedysnake_config = parse_greedysnake_config(ds_config)
+    settings = settings_from_ds_config(ds_config)
+    greedysnake_config = settings.greedysnake
     remove_shm_buffer_at_exit()
     common = dict(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                   training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu, collate_fn=collate_fn)
@@ -70,14 +75,14 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
     weights = None
     if pretrained is not None:
         weights = PretrainedWeights(pretrained, model)  # checked here too, before any weight is read
-        leave_meta_device(model, torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else torch.float32)
+        leave_meta_device(model, settings.dtype)
     select_device(args)  # before the planner's probe and NCCL touch the accelerator
     if greedysnake_config.auto:
-        ds_config, greedysnake_config = _apply_plan(ds_config, modules, nvme_path)
+        ds_config, settings = _apply_plan(ds_config, settings, modules, nvme_path)
     dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                           dist_init_required=dist_init_required,
-                          timeout=timedelta(seconds=greedysnake_config.collective_timeout_seconds))
-    engine = GreedySnakeEngine(greedysnake_config, loss_fn, nvme_path, pretrained=weights,
+                          timeout=timedelta(seconds=settings.greedysnake.collective_timeout_seconds))
+    engine = GreedySnakeEngine(settings, loss_fn, nvme_path, pretrained=weights,
                                dist_init_required=dist_init_required,
                                config=ds_config, config_class=parsed_ds_config(ds_config, mpu), **common)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
@@ -92,7 +97,7 @@ def from_pretrained(model_dir: Union[str, os.PathLike], config, loss_fn=None, dt
     from .models.hf import hf_causal_lm_loss
     ds_config = load_config(config)
     if dtype is None:
-        dtype = torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else torch.float32
+        dtype = torch.bfloat16 if bf16_enabled(ds_config) else torch.float32
     model = empty_model(str(model_dir), dtype)
     return initialize(model=model, config=ds_config, loss_fn=loss_fn or hf_causal_lm_loss, pretrained=model_dir,
                       **initialize_kwargs)
@@ -109,11 +114,14 @@ def select_device(args=None) -> None:
         get_accelerator().set_device(device_rank)
 
 
-def _apply_plan(ds_config: Dict[str, Any], modules, nvme_path: str):
+def _apply_plan(ds_config: Dict[str, Any], settings: Settings, modules, nvme_path: str):
+    """``"auto": true``: the config with the plan applied (for DeepSpeed's engine, whose M the plan may set) and
+    its settings."""
     from .planner.auto import auto_plan  # the planner (SciPy) only when asked for
-    applied, _, lines = auto_plan(ds_config, modules, nvme_path)
+    choice, _, lines = auto_plan(settings, modules, nvme_path)
     log_dist("greedysnake auto plan: " + "; ".join(lines), ranks=[0])
-    return applied, parse_greedysnake_config(applied)
+    applied = with_plan_applied(ds_config, choice.greedysnake, choice.gradient_accumulation_steps)
+    return applied, settings_from_ds_config(applied)
 
 
 def _horizontal_train_batch_with(loss_fn: Callable):

@@ -2,7 +2,7 @@
 
 Each process of the record (``io_trace.py``) is replayed by a thread of its own, with aio handles of its
 own: one per handle of the record (each store's reads "r0", "r1", ... and its writes "w"), made from the
-same ds_config, so the same queue depth, block size and threads. A thread issues its process's transfers
+same aio settings, so the same queue depth, block size and threads. A thread issues its process's transfers
 in their recorded order, each region whole, in the same chunks as ``SsdStore`` issues them, to the same
 file, on the handle it went to; it waits where the process waited, on the handles it waited on (so the
 same transfers are in flight together), and it passes a receive of message n on a pipe only once the
@@ -73,10 +73,10 @@ class _Messages:
 class _Stream:
     """One process's events, replayed on handles of its own into one scratch buffer."""
 
-    def __init__(self, process: str, events: List[IoEvent], ds_config: dict, messages: _Messages):
+    def __init__(self, process: str, events: List[IoEvent], aio: deepspeed_compat.AioSettings, messages: _Messages):
         self.process, self.events, self.messages = process, events, messages
         keys = sorted({(e.store, e.handles[0]) for e in events if e.kind == "issue"})
-        self.handles = {key: deepspeed_compat.new_aio_handle(ds_config) for key in keys}
+        self.handles = {key: deepspeed_compat.new_aio_handle(aio) for key in keys}
         self.in_flight = {key: 0 for key in keys}
         largest = max((e.bytes for e in events if e.kind == "issue"), default=0)
         # Reads and writes may share it: what the replay moves is never looked at.
@@ -140,11 +140,11 @@ class _Stream:
                 raise SsdIoError(errno.EIO, f"replay: aio completed {completed} of {expected} ops on {key}")
 
 
-def replay(trace: IoTrace, ds_config: dict) -> ReplayResult:
+def replay(trace: IoTrace, aio: deepspeed_compat.AioSettings) -> ReplayResult:
     """Replay ``trace`` (see the module doc); its files must still exist and hold the regions' sizes."""
     processes = sorted({event.process for event in trace.events})
     messages = _Messages((e.op, e.serial) for e in trace.events if e.kind == "send")
-    streams = [_Stream(process, [e for e in trace.events if e.process == process and e.kind != "span"], ds_config,
+    streams = [_Stream(process, [e for e in trace.events if e.process == process and e.kind != "span"], aio,
                        messages) for process in processes]
     threads = [threading.Thread(target=stream.run, name=f"replay {stream.process}") for stream in streams]
     for thread in threads:

@@ -41,12 +41,12 @@ import torch
 from deepspeed.utils import log_dist
 
 from .checkpoint import LayerState
-from .config import GreedySnakeConfig
-from .deepspeed_compat import AdamHyperparameters, CpuAdamKernel
+from .deepspeed_compat import AdamHyperparameters, AioSettings, CpuAdamKernel
 from .host_memory import HostArena, SharedHostMemory
 from .layer import LayerOwner, Residency
 from .parallel import DataParallel
 from .schedule import layers_updated_after_decision
+from .settings import OptimizerBlock, Settings
 from .ssd import Region, SsdStore, padded_size
 from .ssd_layout import LayoutSettings, SsdLayout, check_free_space, describe, plan_layout
 from .transfers import Guard
@@ -69,8 +69,9 @@ class StepDecision:
 
 @dataclass(frozen=True)
 class OptimizerSettings:
-    """What LayerwiseAdam takes from ds_config and the greedysnake block, built once (``from_config``)."""
-    ds_config: Dict[str, Any]      # its "optimizer" block gives Adam's hyperparameters; the aio block the worker's I/O
+    """What LayerwiseAdam takes from the settings (``from_settings``)."""
+    optimizer: OptimizerBlock      # Adam's hyperparameters
+    aio: AioSettings               # the worker's I/O
     gradient_clipping: float       # 0: off
     overlap: bool                  # greedysnake.optimizer_overlap: updates in a worker process
     worker_threads: int
@@ -83,12 +84,13 @@ class OptimizerSettings:
     ranks_sharing_disk: int = 1    # this machine's ranks, each with a swap folder on the same nvme_path
 
     @classmethod
-    def from_config(cls, config: GreedySnakeConfig, ds_config: Dict[str, Any], gradient_clipping: float,
-                    compute_dtype: torch.dtype, gradient_dtype: torch.dtype, num_layers: int,
-                    worker_threads: int) -> "OptimizerSettings":
-        """``worker_threads``: config.worker_threads_for(config, device type), the field's default resolved."""
+    def from_settings(cls, settings: Settings, gradient_clipping: float, compute_dtype: torch.dtype,
+                      gradient_dtype: torch.dtype, num_layers: int, worker_threads: int) -> "OptimizerSettings":
+        """``gradient_clipping``: DeepSpeed's engine's (``engine.gradient_clipping()``); ``worker_threads``:
+        config.worker_threads_for(config, device type), the field's default resolved."""
+        config = settings.greedysnake
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
-        return cls(ds_config, gradient_clipping, config.optimizer_overlap, worker_threads,
+        return cls(settings.optimizer, settings.aio, gradient_clipping, config.optimizer_overlap, worker_threads,
                    int(config.gradient_host_memory_mb * 2**20), int(config.optimizer_host_memory_mb * 2**20),
                    layers_updated_after_decision(num_layers, config.optimizer_overlap, config.deferred_layers,
                                                  gradient_clipping > 0),
@@ -104,9 +106,9 @@ def _element_bytes(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 
 
-def adam_settings(ds_optimizer: Dict[str, Any]) -> Tuple[AdamHyperparameters, bool]:
+def adam_settings(block: OptimizerBlock) -> Tuple[AdamHyperparameters, bool]:
     """Hyperparameters and AdamW mode from ds_config's "optimizer" block, as DeepSpeed reads it."""
-    params = dict(ds_optimizer.get("params", {}))
+    params = block.params_dict()
     unknown = set(params) - _KNOWN_ADAM_PARAMS
     if unknown:
         raise ValueError(f"optimizer.params has keys greedysnake does not know: {sorted(unknown)}; "
@@ -116,7 +118,7 @@ def adam_settings(ds_optimizer: Dict[str, Any]) -> Tuple[AdamHyperparameters, bo
                                 eps=float(params.get("eps", 1e-8)), weight_decay=float(params.get("weight_decay", 0.0)),
                                 bias_correction=bool(params.get("bias_correction", True)))
     # DeepSpeed's "Adam" is decoupled-weight-decay AdamW unless adam_w_mode is false.
-    adamw_mode = str(ds_optimizer.get("type")).lower() == "adamw" or bool(params.get("adam_w_mode", True))
+    adamw_mode = str(block.type).lower() == "adamw" or bool(params.get("adam_w_mode", True))
     return hyper, adamw_mode
 
 
@@ -151,7 +153,7 @@ class LayerwiseAdam(torch.optim.Optimizer):
 
     def __init__(self, layers: List[LayerOwner], store: SsdStore, settings: OptimizerSettings,
                  parallel: DataParallel):
-        hyper, adamw_mode = adam_settings(settings.ds_config["optimizer"])
+        hyper, adamw_mode = adam_settings(settings.optimizer)
         defaults = {"lr": hyper.lr, "betas": (hyper.beta1, hyper.beta2), "eps": hyper.eps,
                     "weight_decay": hyper.weight_decay, "bias_correction": hyper.bias_correction}
         super().__init__([torch.nn.Parameter(torch.zeros(0))], defaults)
@@ -236,7 +238,7 @@ class LayerwiseAdam(torch.optim.Optimizer):
         self._grad_buffers = [store.buffer(padded_size(4 * sizes.largest_ssd_grad_numel))
                               for _ in range(staging if sizes.largest_ssd_grad_numel else 0)]
         if settings.overlap:
-            return WorkerUpdater(store.counters, store.folder, store.ds_config, hyper, adamw_mode,
+            return WorkerUpdater(store.counters, store.folder, store.aio, hyper, adamw_mode,
                                  sizes._replace(read_ahead_pieces=self.read_ahead_pieces), settings.worker_threads,
                                  self.host)
         return InlineUpdater(store, CpuAdamKernel(hyper, adamw_mode), sizes, self.host)

@@ -13,12 +13,14 @@ import shutil
 import sys
 from typing import Optional
 
+from .config import GreedySnakeConfigError
 from .planner.errors import PlannerError
 from .planner.hardware import load_hardware, save_hardware
-from .planner.plan_config import PlanRequest, budget_bytes, plan_for_config, workload_from_config
+from .planner.plan_config import PlanRequest, budget_bytes, plan_for_settings, workload_from_settings
 from .planner.search import GIB
 from .planner.shapes import lora_numels, named_shape, parse_layers
 from .planner.ssd_space import ssd_bytes
+from .settings import Settings, settings_from_ds_config
 from .ssd_layout import describe
 
 MIB = 2**20
@@ -84,28 +86,32 @@ def _stdout_to_stderr_if(enabled: bool):
 SATURATED_LAYER_REPEATS = 25
 
 
-def _load_config(path: str) -> dict:
+def _load_settings(path: str) -> Settings:
+    """The --config file parsed as ``initialize`` parses it (``settings.settings_from_ds_config``)."""
     try:
         with open(path) as handle:
-            return json.load(handle)
+            ds_config = json.load(handle)
     except OSError as error:
         raise PlannerError(f"cannot read --config {path}: {error.strerror}") from None
     except json.JSONDecodeError as error:
         raise PlannerError(f"--config {path} is not valid JSON: {error}") from None
+    try:
+        return settings_from_ds_config(ds_config)
+    except GreedySnakeConfigError as error:
+        raise PlannerError(f"--config {path}: {error}") from None
 
 
-def _hardware(args, ds_config: dict, shape):
+def _hardware(args, settings: Settings, shape):
     if args.hardware != "probe":
         return load_hardware(args.hardware)
     from .planner.probe import probe_machine, timeable  # imports torch and DeepSpeed's ops: only when probing
-    offload = (ds_config.get("zero_optimization") or {}).get("offload_param") or {}
-    nvme_path = args.nvme_path or offload.get("nvme_path")
-    workload = workload_from_config(ds_config, shape)
+    nvme_path = args.nvme_path or settings.zero.nvme_path
+    workload = workload_from_settings(settings, shape)
     # Time the layers where they fit easily in memory (every micro-batch size of a --saturated sweep);
     # otherwise fall back to FLOP/s.
     timed = workload if timeable(workload) else None
     sizes = _sweep_sizes(args) if args.saturated else ()
-    hardware = probe_machine(nvme_path, ds_config, timed, more_micro_batch_sizes=sizes,
+    hardware = probe_machine(nvme_path, settings, timed, more_micro_batch_sizes=sizes,
                              layer_repeats=SATURATED_LAYER_REPEATS if args.saturated else None)
     if args.save_hardware:
         save_hardware(hardware, args.save_hardware)
@@ -156,17 +162,17 @@ def _describe(plans, hardware, shape, workload, budget, request) -> str:
     return "\n".join(lines)
 
 
-def _sweep_saturated(args, ds_config: dict, request: PlanRequest) -> dict:
+def _sweep_saturated(args, settings: Settings, request: PlanRequest) -> dict:
     from .planner.cost_model import HorizontalSettings
     from .planner.engine_model import EngineSettings
     from .planner.saturation import DEFAULT_SWEEP_MICRO_BATCHES, SweepRequest, sweep
-    width = workload_from_config(ds_config, request.shape).param_bytes
-    block = ds_config.get("greedysnake") or {}
-    depth = int(block.get("prefetch_depth", 1)) if block.get("prefetch", True) else 1
+    width = workload_from_settings(settings, request.shape).param_bytes
+    block = settings.greedysnake
+    depth = block.prefetch_depth if block.prefetch else 1
     return sweep(SweepRequest(
         request.shape, request.hardware, budget_bytes(request),
-        zero_settings=HorizontalSettings.from_ds_config(ds_config, recompute=request.zero_recompute),
-        engine_settings=EngineSettings.from_ds_config(ds_config),
+        zero_settings=HorizontalSettings.from_settings(settings, recompute=request.zero_recompute),
+        engine_settings=EngineSettings.from_settings(settings),
         micro_batch_sizes=_sweep_sizes(args),
         micro_batches=args.micro_batches or DEFAULT_SWEEP_MICRO_BATCHES, ranks=args.ranks, dtype_bytes=width,
         ideal=request.ideal, prefetch_depth=depth))
@@ -213,7 +219,7 @@ def _describe_saturated(shape, hardware, request: PlanRequest, saturations: dict
     return "\n".join(lines)
 
 
-def ssd_space(ds_config: dict, shape, plan, ideal: bool, lora_rank: Optional[int] = None):
+def ssd_space(settings: Settings, shape, plan, ideal: bool, lora_rank: Optional[int] = None):
     """The SSD bytes per kind of the recommended block (of a LoRA run of rank ``lora_rank``: trainable
     adapters, the base frozen), and the free bytes under the config's nvme_path (None when that folder does
     not exist here)."""
@@ -222,9 +228,9 @@ def ssd_space(ds_config: dict, shape, plan, ideal: bool, lora_rank: Optional[int
         trainable, frozen = [layer.params for layer in shape.layers], None
     else:
         trainable, frozen = (list(numels) for numels in zip(*lora_numels(shape, lora_rank)))
-    needed = ssd_bytes(trainable, ds_config, plan.micro_batches, plan.workload.checkpoint_bytes, block,
+    needed = ssd_bytes(trainable, settings, plan.micro_batches, plan.workload.checkpoint_bytes, block,
                        frozen_numels=frozen)
-    nvme_path = ((ds_config.get("zero_optimization") or {}).get("offload_param") or {}).get("nvme_path")
+    nvme_path = settings.zero.nvme_path
     free = shutil.disk_usage(nvme_path).free if nvme_path and os.path.isdir(nvme_path) else None
     return needed, nvme_path, free
 
@@ -259,27 +265,27 @@ def main(argv=None) -> int:
     try:
         if not args.saturated and (args.micro_batch_sizes or args.ranks != 1):
             raise PlannerError("--micro-batch-sizes and --ranks apply to --saturated only: add --saturated")
-        ds_config = _load_config(args.config)
+        settings = _load_settings(args.config)
         shape = parse_layers(args.layers) if args.layers else named_shape(args.model or "gpt-small")
         with _stdout_to_stderr_if(args.json):
-            hardware = _hardware(args, ds_config, shape)
+            hardware = _hardware(args, settings, shape)
         request = PlanRequest(shape, hardware, None if args.host_memory is None else args.host_memory * GIB,
                               args.micro_batches, args.modelled_placements, args.ideal, not args.zero_no_recompute)
         if args.saturated:
             with _stdout_to_stderr_if(args.json):
-                saturations = _sweep_saturated(args, ds_config, request)
+                saturations = _sweep_saturated(args, settings, request)
             print(json.dumps(_saturated_json(shape, hardware, saturations), indent=1) if args.json
                   else _describe_saturated(shape, hardware, request, saturations))
             return 0
         with _stdout_to_stderr_if(args.json):  # DeepSpeed logs to stdout; --json output must stay clean
-            plans = plan_for_config(ds_config, request)
+            plans = plan_for_settings(settings, request)
     except PlannerError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     budget = budget_bytes(request)
     workload = plans[0].workload
     try:
-        needed, nvme_path, free = ssd_space(ds_config, shape, plans[0], args.ideal, args.lora)
+        needed, nvme_path, free = ssd_space(settings, shape, plans[0], args.ideal, args.lora)
     except PlannerError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

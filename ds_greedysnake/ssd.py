@@ -120,20 +120,21 @@ class SsdStore:
     (measured here: a 50 MiB write with a 38 MiB read, 34 ms on one handle, 32 ms on two).
     """
 
-    def __init__(self, folder: str, ds_config: dict, counters: IoCounters, name: str, read_handles: int = 1,
+    def __init__(self, folder: str, aio: deepspeed_compat.AioSettings, counters: IoCounters, name: str,
+                 read_handles: int = 1,
                  recorder: Optional[IoRecorder] = None):
         self.folder = folder
         # Records every transfer and wait while a trace is on (io_trace.py): the replay's input.
         self.recorder = recorder if recorder is not None else IoRecorder("unrecorded")
-        self.ds_config = ds_config
+        self.aio = aio  # what its aio handles are made with (the optimizer worker's store takes the same)
         self.counters = counters
         self.name = name
         if read_handles < 1:
             raise ValueError(f"an SsdStore needs at least one read handle, got {read_handles}")
         # With several read handles, each read in flight has a handle of its own, so that one read can
         # be waited for (``wait_for_read``) while the others stay in flight: a handle only waits for all.
-        self._read_handles = [deepspeed_compat.new_aio_handle(ds_config) for _ in range(read_handles)]
-        self._write_handle = deepspeed_compat.new_aio_handle(ds_config)
+        self._read_handles = [deepspeed_compat.new_aio_handle(aio) for _ in range(read_handles)]
+        self._write_handle = deepspeed_compat.new_aio_handle(aio)
         # Locked buffers belong to the handle that allocated them (and are freed through it); any
         # handle transfers them.
         self._buffer_handle = self._read_handles[0]

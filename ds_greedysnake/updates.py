@@ -280,10 +280,10 @@ def worker_main(task_fd: int, result_fd: int) -> None:
     recorder = IoRecorder(WORKER)
     tasks = _Pipe(Connection(task_fd, writable=False), TASK_PIPE, recorder)
     results = _Pipe(Connection(result_fd, readable=False), RESULT_PIPE, recorder)
-    folder, ds_config, hyper, adamw_mode, sizes, num_threads, host_layouts = tasks.recv()
+    folder, aio, hyper, adamw_mode, sizes, num_threads, host_layouts = tasks.recv()
     _check_no_accelerator()
     torch.set_num_threads(num_threads)
-    store = SsdStore(folder, ds_config, IoCounters(), "worker", recorder=recorder)
+    store = SsdStore(folder, aio, IoCounters(), "worker", recorder=recorder)
     kernel = CpuAdamKernel(hyper, adamw_mode)
     pipeline = UpdatePipeline(store, kernel, UpdateBuffers(store, *sizes), SharedHostMemory.attach(host_layouts))
     results.send("ready")
@@ -353,9 +353,9 @@ class WorkerUpdater(Updater):
     ``if __name__ == "__main__"`` guard, and fork would copy torch's threads and locks.
     """
 
-    def __init__(self, counters: IoCounters, folder: str, ds_config: dict, hyper: AdamHyperparameters,
-                 adamw_mode: bool, sizes: "BufferSizes", num_threads: int, host: SharedHostMemory,
-                 start_timeout: float = 300.0):
+    def __init__(self, counters: IoCounters, folder: str, aio: deepspeed_compat.AioSettings,
+                 hyper: AdamHyperparameters, adamw_mode: bool, sizes: "BufferSizes", num_threads: int,
+                 host: SharedHostMemory, start_timeout: float = 300.0):
         super().__init__(counters)
         if _device_type(None) != "cpu":
             deepspeed_compat.check_worker_ops()  # here, with the set-up command, not as a failed start
@@ -369,7 +369,7 @@ class WorkerUpdater(Updater):
         self._tasks = _Pipe(Connection(task_write, readable=False), TASK_PIPE, self.recorder)
         self._results = _Pipe(Connection(result_read, writable=False), RESULT_PIPE, self.recorder)
         try:
-            self._tasks.send((folder, ds_config, hyper, adamw_mode, tuple(sizes), num_threads, host.layouts()))
+            self._tasks.send((folder, aio, hyper, adamw_mode, tuple(sizes), num_threads, host.layouts()))
             self._receive(timeout=start_timeout, expecting="the worker to start")
         except BaseException:
             self._abandon()  # a worker that did not start is not left running, nor its pipes open

@@ -213,7 +213,7 @@ def measure_floors(engine, trace, windows, spec: dict, gpt, trainable: int, batc
         return m * (per_micro_batch["forward_s"] + per_micro_batch["forward_backward_s"])
 
     print(f"{time.strftime('%H:%M:%S')} replaying {len(windows)} steps' I/O", flush=True)
-    floors = step_floors(trace, windows, engine.ds_config_dict, compute_once, trainable,
+    floors = step_floors(trace, windows, engine.settings.aio, compute_once, trainable,
                          engine.optimizer.worker_threads)
     if spec.get("trace_path"):
         order = sorted(range(len(windows)), key=lambda i: windows[i][1] - windows[i][0])
@@ -233,7 +233,7 @@ def measure_ssd_rates(folder: str, region_mib: int, repeats: int) -> dict:
     from ds_greedysnake.ssd import IoCounters, SsdStore
 
     result = {"measured_at": time.time()}
-    store = SsdStore(folder, {"aio": dict(AIO)}, IoCounters(), "roofline")
+    store = SsdStore(folder, deepspeed_compat.AioSettings(**AIO), IoCounters(), "roofline")
     region = store.create_region("probe", region_mib * MIB, "probe")
     buffer = store.new_buffer(region)
     buffer.fill_(7)
@@ -257,7 +257,7 @@ def measure_ssd_rates(folder: str, region_mib: int, repeats: int) -> dict:
     buffers = [store.new_buffer(r) for r in regions]
     for r, b in zip(regions, buffers):
         store.write(r, b)
-    handle = deepspeed_compat.new_aio_handle({"aio": dict(AIO)})
+    handle = deepspeed_compat.new_aio_handle(deepspeed_compat.AioSettings(**AIO))
     parallel = []
     for _ in range(repeats):
         started = time.perf_counter()
@@ -357,9 +357,10 @@ def with_ssd_streaming(folder: str, measure):
 
 
 def stream_ssd(folder: str, stop: str) -> None:
+    from ds_greedysnake.deepspeed_compat import AioSettings
     from ds_greedysnake.ssd import IoCounters, SsdStore
 
-    store = SsdStore(folder, {"aio": dict(AIO)}, IoCounters(), "stream")
+    store = SsdStore(folder, AioSettings(**AIO), IoCounters(), "stream")
     regions = [store.create_region(f"r{i}", STREAM_REGION_BYTES, "probe") for i in range(2)]
     buffers = [store.new_buffer(region) for region in regions]
     for region, buffer in zip(regions, buffers):

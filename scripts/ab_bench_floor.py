@@ -41,9 +41,10 @@ def adam_step_seconds(numel: int, steps: int, threads: Optional[int] = None) -> 
         torch.set_num_threads(previous)
 
 
-def step_floors(trace, windows, ds_config: dict, compute_once, trainable: int, adam_threads: int) -> dict:
+def step_floors(trace, windows, aio, compute_once, trainable: int, adam_threads: int) -> dict:
     """Per round (one measured step): the replay of its record, the compute alone, Adam alone, the
-    floor and the step's time against it; ``windows``: (start, end) of each measured step;
+    floor and the step's time against it; ``aio``: the run's ``engine.settings.aio``; ``windows``: (start, end)
+    of each measured step;
     ``compute_once()``: seconds of the step's compute in the vertical order."""
     from ds_greedysnake.io_replay import replay
     from ds_greedysnake.io_trace import time_breakdown
@@ -53,7 +54,7 @@ def step_floors(trace, windows, ds_config: dict, compute_once, trainable: int, a
         # The step and what it left in flight, up to the next step's start (the last: the trace's end).
         until = windows[index + 1][0] if index + 1 < len(windows) else float("inf")
         window = trace.window(start, until)
-        replayed = replay(window, ds_config)
+        replayed = replay(window, aio)
         compute = compute_once()
         adam = adam_step_seconds(trainable, 2, adam_threads)[1]
         floors = {"io_replay": replayed.seconds, "compute": compute, "adam": adam}

@@ -18,6 +18,7 @@ from train_hf import build_config, model_config, parse_args  # noqa: E402  (sets
 import torch  # noqa: E402
 
 from ds_greedysnake.planner.ssd_space import model_ssd_bytes, zero_infinity_ssd_bytes  # noqa: E402
+from ds_greedysnake.settings import settings_from_ds_config  # noqa: E402
 from ds_greedysnake.ssd_layout import describe  # noqa: E402
 
 
@@ -35,7 +36,8 @@ def main():
     bf16 = bool(config.get("bf16", {}).get("enabled"))
     hidden = model.config.hidden_size
     checkpoint_bytes = config["train_micro_batch_size_per_gpu"] * args.seq_len * hidden * (2 if bf16 else 4)
-    greedysnake = model_ssd_bytes(model, config, config["gradient_accumulation_steps"], checkpoint_bytes)
+    greedysnake = model_ssd_bytes(model, settings_from_ds_config(config), config["gradient_accumulation_steps"],
+                                  checkpoint_bytes)
     zero = zero_infinity_ssd_bytes([p.numel() for p in model.parameters()], bf16,
                                    int(config["zero_optimization"].get("sub_group_size", 10**9)),
                                    int((config.get("aio") or {}).get("block_size", 2**20)))

@@ -67,7 +67,8 @@ def predict_runs(report: dict, hardware_arg: str, nvme_path: str, save_hardware=
     -> Hardware) replaces the probe or the hardware file: the unit test predicts recorded runs that way."""
     from ds_greedysnake.planner import (EngineSettings, HorizontalSettings, engine_phases, evaluate,
                                         horizontal_phases, load_hardware, parse_layers, save_hardware as save,
-                                        workload_from_config)
+                                        workload_from_settings)
+    from ds_greedysnake.settings import settings_from_ds_config
     rows, hardware_by_config = [], dict(recorded or {})
     for run in report["runs"]:
         if run.get("world_size", 1) > 1:
@@ -75,8 +76,8 @@ def predict_runs(report: dict, hardware_arg: str, nvme_path: str, save_hardware=
         spec = report["configs"][run["config"]]
         shape = parse_layers(f"blocks={spec['layers']},hidden={spec['hidden']},heads={spec['heads']},"
                              f"vocab={spec['vocab']},seq_len={spec['seq_len']}")
-        ds_config = run["ds_config"]
-        workload = workload_from_config(ds_config, shape)
+        settings = settings_from_ds_config(run["ds_config"])
+        workload = workload_from_settings(settings, shape)
         if run["config"] not in hardware_by_config:
             if hardware_arg != "probe":
                 hardware_by_config[run["config"]] = load_hardware(hardware_arg)
@@ -85,7 +86,7 @@ def predict_runs(report: dict, hardware_arg: str, nvme_path: str, save_hardware=
                 from ds_greedysnake.deepspeed_compat import accelerator_device
                 os.makedirs(nvme_path, exist_ok=True)
                 if not hardware_by_config:
-                    hardware = probe_machine(nvme_path, ds_config, workload)
+                    hardware = probe_machine(nvme_path, settings, workload)
                     if save_hardware:
                         save(hardware, save_hardware)
                 else:  # the machine's rates once; the layers per configuration
@@ -96,15 +97,14 @@ def predict_runs(report: dict, hardware_arg: str, nvme_path: str, save_hardware=
                 hardware_by_config[run["config"]] = hardware
         hardware = hardware_by_config[run["config"]]
         if run["engine"] == "greedysnake":
-            settings = EngineSettings.from_ds_config(ds_config)
-            deferred = settings.deferred(workload)
-            host_layers = settings.optimizer_host_layers(workload, deferred) if engine_keeps_states_in_host() else 0
-            phases = engine_phases(workload, hardware, deferred, settings.overlap, host_layers)
+            engine = EngineSettings.from_settings(settings)
+            deferred = engine.deferred(workload)
+            host_layers = engine.optimizer_host_layers(workload, deferred) if engine_keeps_states_in_host() else 0
+            phases = engine_phases(workload, hardware, deferred, engine.overlap, host_layers)
             # The host shares the run's config gives (checkpoint and gradient budgets, engine defaults).
-            block = ds_config.get("greedysnake") or {}
-            shares = settings.shares(workload, float(block.get("activation_host_memory_mb", 4096)) * 2**20)
+            shares = engine.shares(workload, float(settings.greedysnake.activation_host_memory_mb) * 2**20)
         else:
-            phases = horizontal_phases(workload, hardware, HorizontalSettings.from_ds_config(ds_config))
+            phases = horizontal_phases(workload, hardware, HorizontalSettings.from_settings(settings))
             shares = {}
         prediction = evaluate(run["engine"], phases, workload, shares)
         measured = run["step_seconds_median"]

@@ -90,11 +90,12 @@ def read_stream(store, regions, buffers) -> None:
 
 def measure(folder: str, aio: dict, sizes_mib, in_flight, rounds: int, stream: int = 8) -> dict:
     """{"rows": [{size_mib, transfer, seconds: [...]}, ...]}: the rounds' seconds of every transfer kind."""
+    from ds_greedysnake.deepspeed_compat import aio_settings  # DeepSpeed's defaults for what --aio leaves out
     from ds_greedysnake.ssd import IoCounters, SsdStore, padded_size
     scratch = tempfile.mkdtemp(prefix="ssd_rates_", dir=folder)
     stores, buffers = [], []
     try:
-        stores = [SsdStore(scratch, {"aio": aio}, IoCounters(), f"store{index}")
+        stores = [SsdStore(scratch, aio_settings({"aio": aio}), IoCounters(), f"store{index}")
                   for index in range(max([1] + list(in_flight)))]
         targets = {}  # size -> [(store, region, buffer)], one per store
         for size in sizes_mib:
@@ -107,7 +108,7 @@ def measure(folder: str, aio: dict, sizes_mib, in_flight, rounds: int, stream: i
                 store.write(region, buffer)  # reads check the tag of what was written
                 targets[size].append((store, region, buffer))
         # The stream rows: ``stream`` regions of each size on one store with two read handles.
-        stream_store = SsdStore(scratch, {"aio": aio}, IoCounters(), "stream", read_handles=2)
+        stream_store = SsdStore(scratch, aio_settings({"aio": aio}), IoCounters(), "stream", read_handles=2)
         stores.append(stream_store)
         stream_buffers = [stream_store.buffer(padded_size(int(max(sizes_mib) * MIB))) for _ in range(2)]
         buffers += [(stream_store, buffer) for buffer in stream_buffers]

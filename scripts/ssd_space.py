@@ -23,6 +23,7 @@ for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LO
 
 from ds_greedysnake.planner.shapes import GPTShape, named_shape  # noqa: E402
 from ds_greedysnake.planner.ssd_space import ssd_bytes  # noqa: E402
+from ds_greedysnake.settings import settings_from_ds_config  # noqa: E402
 
 ON_SSD = {"gradient_host_memory_mb": 0, "optimizer_host_memory_mb": 0}
 # (row, gradient_clipping, greedysnake block); "ALL" stands for the model's layer count.
@@ -51,7 +52,7 @@ def block_for(block, num_layers):
 def computed(shape: GPTShape, clipping, bf16, block) -> float:
     numels = [layer.params for layer in shape.layers]
     config = ds_config("unused", clipping, bf16, block_for(block, len(numels)))
-    return sum(ssd_bytes(numels, config, 2, 0).values()) / shape.params
+    return sum(ssd_bytes(numels, settings_from_ds_config(config), 2, 0).values()) / shape.params
 
 
 def measured_greedysnake(folder, clipping, bf16, block) -> float:

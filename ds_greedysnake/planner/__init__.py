@@ -4,11 +4,11 @@ from .cost_model import HorizontalSettings, StepPrediction, Workload, evaluate, 
 from .engine_model import EngineSettings, engine_phases
 from .errors import PlannerError
 from .hardware import Hardware, LayerTimes, hardware_from_dict, load_hardware, save_hardware
-from .plan_config import PlanRequest, plan_for_config, workload_from_config
+from .plan_config import PlanRequest, plan_for_settings, workload_from_settings
 from .search import BudgetTooSmall, Plan, search
 from .shapes import NAMED_SHAPES, GPTShape, named_shape, parse_layers
 
 __all__ = ["BudgetTooSmall", "EngineSettings", "GPTShape", "Hardware", "HorizontalSettings", "LayerTimes", "NAMED_SHAPES", "Plan",
            "PlanRequest", "PlannerError", "StepPrediction", "Workload", "engine_phases", "evaluate",
            "hardware_from_dict", "horizontal_phases", "load_hardware", "named_shape", "parse_layers",
-           "plan_for_config", "save_hardware", "search", "workload_from_config"]
+           "plan_for_settings", "save_hardware", "search", "workload_from_settings"]

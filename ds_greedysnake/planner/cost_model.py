@@ -21,11 +21,14 @@ Three schedules:
   (serially when ZeRO-3's prefetch is off), then an optimizer step after the last micro-batch.
 """
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 from .errors import PlannerError
 from .hardware import Hardware, LayerTimes
 from .shapes import GPTShape
+
+if TYPE_CHECKING:  # the cost model stays free of torch and DeepSpeed, which settings.py imports
+    from ..settings import Settings
 
 SHARES = ("act", "param", "opt", "grad")
 OPTIMIZER_BYTES_PER_PARAM = 12   # fp32 master, exp_avg, exp_avg_sq
@@ -248,7 +251,7 @@ def ideal_vertical_phases(workload: Workload, hardware: Hardware, alpha: float) 
 
 @dataclass
 class HorizontalSettings:
-    """What of ds_config's ZeRO-3 section changes ZeRO-Infinity's traffic."""
+    """What of ds_config's ZeRO-3 section changes ZeRO-Infinity's traffic (``settings.ZeroSettings``)."""
     prefetch: bool = False         # stage3_prefetch_bucket_size > 0: reads overlap compute
     reuse_recompute_fetch: bool = False  # stage3_max_reuse_distance > 0: backward reuses the recompute's fetch
     recompute: bool = True         # blocks wrapped in activation checkpointing (a fair baseline; the A/B does)
@@ -259,16 +262,12 @@ class HorizontalSettings:
     reduce_bucket_elements: float = 5e8       # reduce_bucket_size: the gradient bucket
 
     @classmethod
-    def from_ds_config(cls, ds_config: dict, recompute: bool = True) -> "HorizontalSettings":
-        zero = ds_config.get("zero_optimization") or {}
-        # DeepSpeed's defaults: prefetch bucket 5e7 elements, reuse distance 1e9.
-        bucket = float(zero.get("stage3_prefetch_bucket_size", 5e7))
-        return cls(prefetch=bucket > 0,
-                   reuse_recompute_fetch=float(zero.get("stage3_max_reuse_distance", 1e9)) > 0, recompute=recompute,
-                   prefetch_bucket_elements=bucket,
-                   persistence_threshold=float(zero.get("stage3_param_persistence_threshold", 1e5)),
-                   max_live_parameters=float(zero.get("stage3_max_live_parameters", 1e9)),
-                   reduce_bucket_elements=float(zero.get("reduce_bucket_size", 5e8)))
+    def from_settings(cls, settings: "Settings", recompute: bool = True) -> "HorizontalSettings":
+        zero = settings.zero
+        return cls(prefetch=zero.prefetch_bucket_size > 0, reuse_recompute_fetch=zero.max_reuse_distance > 0,
+                   recompute=recompute, prefetch_bucket_elements=zero.prefetch_bucket_size,
+                   persistence_threshold=zero.param_persistence_threshold,
+                   max_live_parameters=zero.max_live_parameters, reduce_bucket_elements=zero.reduce_bucket_size)
 
 
 def horizontal_phases(workload: Workload, hardware: Hardware, settings: HorizontalSettings) -> List[Phase]:

@@ -15,13 +15,16 @@ Three things the rates alone do not say, measured by the probe (``hardware.py``)
   compute slows (``compute_slowdown_sharing_cores``).
 """
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 from .cost_model import (GRAD_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, Linear, Phase, Rates, Workload, layer_times,
                          on_ssd)
 from ..schedule import default_deferred_layers, layers_updated_after_decision
 from .errors import PlannerError
 from .hardware import Hardware
+
+if TYPE_CHECKING:  # the model stays free of torch and DeepSpeed, which settings.py imports
+    from ..settings import Settings
 
 SLOT_ALIGNMENT = 4096  # the engine's host-memory slots are whole 4096-byte multiples
 
@@ -45,7 +48,7 @@ def optimizer_host_layers(workload: Workload, eligible: int, budget_bytes: float
 
 @dataclass
 class EngineSettings:
-    """What of ds_config changes the engine's schedule and placement."""
+    """What of the settings changes the engine's schedule and placement."""
     overlap: bool = True     # greedysnake.optimizer_overlap
     clipping: bool = False   # gradient_clipping > 0: every update waits for the global norm (deferred)
     gradient_host_bytes: float = 1024 * 2**20   # greedysnake.gradient_host_memory_mb (the engine's default)
@@ -53,15 +56,13 @@ class EngineSettings:
     deferred_layers: Optional[int] = None       # greedysnake.deferred_layers; None: the engine's default
 
     @classmethod
-    def from_ds_config(cls, ds_config: dict) -> "EngineSettings":
-        block = ds_config.get("greedysnake") or {}
-        deferred = block.get("deferred_layers")
+    def from_settings(cls, settings: "Settings") -> "EngineSettings":
+        block = settings.greedysnake
         # DeepSpeed 0.19.8 clips at 1.0 when gradient_clipping is absent (design doc, section 7).
-        return cls(overlap=bool(block.get("optimizer_overlap", True)),
-                   clipping=float(ds_config.get("gradient_clipping", 1.0) or 0.0) > 0,
-                   gradient_host_bytes=float(block.get("gradient_host_memory_mb", 1024)) * 2**20,
-                   optimizer_host_bytes=float(block.get("optimizer_host_memory_mb", 1024)) * 2**20,
-                   deferred_layers=None if deferred is None else int(deferred))
+        return cls(overlap=block.optimizer_overlap, clipping=settings.gradient_clipping > 0,
+                   gradient_host_bytes=float(block.gradient_host_memory_mb) * 2**20,
+                   optimizer_host_bytes=float(block.optimizer_host_memory_mb) * 2**20,
+                   deferred_layers=block.deferred_layers)
 
     def deferred(self, workload: Workload) -> int:
         """The split the engine runs: every layer while clipping is on, else the block's or the default."""

@@ -1,7 +1,8 @@
-"""From a ds_config, a model shape and a machine to plans: what the CLI and ``"auto": true`` share."""
+"""From a config's settings, a model shape and a machine to plans: what the CLI and ``"auto": true`` share."""
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
+from ..settings import Settings
 from .cost_model import HorizontalSettings, Workload
 from .engine_model import EngineSettings
 from .errors import PlannerError
@@ -23,12 +24,10 @@ class PlanRequest:
     zero_recompute: bool = True                    # the ZeRO-Infinity baseline uses activation checkpointing
 
 
-def workload_from_config(ds_config: dict, shape: GPTShape, micro_batches: Optional[int] = None) -> Workload:
-    micro_batch_size = int(ds_config.get("train_micro_batch_size_per_gpu", 1))
-    m = micro_batches or int(ds_config.get("gradient_accumulation_steps", 1))
-    bf16 = bool((ds_config.get("bf16") or {}).get("enabled", False))
-    width = 2 if bf16 else 4
-    return Workload(shape, micro_batch_size, m, param_bytes=width, activation_bytes=width)
+def workload_from_settings(settings: Settings, shape: GPTShape, micro_batches: Optional[int] = None) -> Workload:
+    width = 2 if settings.bf16 else 4
+    return Workload(shape, settings.micro_batch_size, micro_batches or settings.micro_batches, param_bytes=width,
+                    activation_bytes=width)
 
 
 def budget_bytes(request: PlanRequest) -> float:
@@ -41,15 +40,15 @@ def budget_bytes(request: PlanRequest) -> float:
     return request.hardware.host_memory_bytes / 2
 
 
-def plan_for_config(ds_config: dict, request: PlanRequest) -> List[Plan]:
+def plan_for_settings(settings: Settings, request: PlanRequest) -> List[Plan]:
     """Plans per M, the recommended one first (see search.search)."""
-    workload = workload_from_config(ds_config, request.shape)
+    workload = workload_from_settings(settings, request.shape)
     candidates = list(request.micro_batches or DEFAULT_MICRO_BATCHES)
     if request.micro_batches is None and workload.micro_batches not in candidates:
         candidates.append(workload.micro_batches)
     if any(m < 1 for m in candidates):
         raise PlannerError(f"micro-batch counts must be at least 1, got {sorted(candidates)}")
-    zero_settings = HorizontalSettings.from_ds_config(ds_config, recompute=request.zero_recompute)
+    zero_settings = HorizontalSettings.from_settings(settings, recompute=request.zero_recompute)
     return search(workload, request.hardware, budget_bytes(request), zero_settings,
                   candidates, engine=not request.ideal, modelled_shares=request.modelled_shares,
-                  settings=EngineSettings.from_ds_config(ds_config))
+                  settings=EngineSettings.from_settings(settings))

@@ -5,8 +5,8 @@ the gradient hand-over's elements/s, host<->device copies (when the device is no
 forward / forward+backward seconds of each layer kind of a model at the micro-batch size (and at
 further micro-batch sizes, for a sweep over them).
 
-    hardware = probe_machine("/path/on/ssd", ds_config, workload)   # a Hardware (to_dict() for JSON)
-    hardware = probe_machine(path, ds_config, workload, more_micro_batch_sizes=(1, 4, 16))  # plan --saturated
+    hardware = probe_machine("/path/on/ssd", settings, workload)   # a Hardware (to_dict() for JSON)
+    hardware = probe_machine(path, settings, workload, more_micro_batch_sizes=(1, 4, 16))  # plan --saturated
 
 Times are medians of repeats after one warm-up: the planner predicts typical steps, not the best one.
 """
@@ -22,7 +22,8 @@ import torch
 
 from .. import deepspeed_compat
 from .. import transfers
-from ..config import parse_greedysnake_config, worker_threads_for
+from ..config import worker_threads_for
+from ..settings import Settings
 from ..ssd import ALIGNMENT, IoCounters, SsdStore
 from .cost_model import Workload
 from .errors import PlannerError
@@ -47,16 +48,17 @@ def _median_seconds(action: Callable[[], None], repeats: int, warmup: int = 1, m
     return statistics.median(times)
 
 
-def probe_ssd(folder: str, ds_config: dict, region_mib: int = 128, repeats: int = 3) -> Dict[str, float]:
+def probe_ssd(folder: str, aio: deepspeed_compat.AioSettings, region_mib: int = 128,
+              repeats: int = 3) -> Dict[str, float]:
     """The engine's transfers through SsdStore (a deep queue of chunks) at five sizes, for a fixed cost
     per transfer plus a rate (``_per_transfer``); and one region whole as one aio op per transfer, as
     ZeRO-3's swapper issues a tensor."""
     os.makedirs(folder, exist_ok=True)
     scratch = tempfile.mkdtemp(prefix="planner_probe_", dir=folder)
     try:
-        store = SsdStore(scratch, ds_config, IoCounters(), "probe")
+        store = SsdStore(scratch, aio, IoCounters(), "probe")
         region = store.create_region("whole", region_mib * MIB, "probe")
-        handle = deepspeed_compat.new_aio_handle(ds_config)
+        handle = deepspeed_compat.new_aio_handle(aio)
         # Pageable, as ZeRO-3's swapper's buffers without offload_param.pin_memory (aio bounces through
         # memory it locks itself): never registered with the accelerator, which the engine's buffers are.
         plain = _pageable_aligned(region.padded_bytes)
@@ -141,7 +143,7 @@ def _fit_line(points) -> Tuple[float, float]:
     return slope, statistics.median(y - slope * x for x, y in points)
 
 
-def probe_update(folder: str, ds_config: dict, numel: int, repeats: int = 5,
+def probe_update(folder: str, settings: Settings, numel: int, repeats: int = 5,
                  device_type: str = "cpu") -> Tuple[float, float]:
     """Layer updates as the engine's worker runs them, per element: (states in host memory: Adam with the
     gradient in host memory, the new weights cast and written; what the states' SSD round trip adds).
@@ -155,13 +157,13 @@ def probe_update(folder: str, ds_config: dict, numel: int, repeats: int = 5,
     scratch = tempfile.mkdtemp(prefix="planner_update_", dir=folder)
     threads = torch.get_num_threads()
     # The worker's own thread count (Adam and the cast run on it), its default depending on the accelerator.
-    torch.set_num_threads(worker_threads_for(parse_greedysnake_config(ds_config), device_type))
+    torch.set_num_threads(worker_threads_for(settings.greedysnake, device_type))
     layers, unlimited = 4, 1 << 62
     numels = [numel] * layers
     host = SharedHostMemory(HostArena.for_gradients(numels, unlimited),
                             HostArena.for_optimizer_states(numels, layers, unlimited))
     try:
-        store = SsdStore(scratch, ds_config, IoCounters(), "probe")
+        store = SsdStore(scratch, settings.aio, IoCounters(), "probe")
         hyper = deepspeed_compat.AdamHyperparameters(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
         pipeline = UpdatePipeline(store, deepspeed_compat.CpuAdamKernel(hyper, adamw_mode=True),
                                   UpdateBuffers(store, numel, min(numel, STATE_PIECE_NUMEL), 0), host)
@@ -368,7 +370,7 @@ def probe_more_workloads(workload: Workload, micro_batch_sizes: Sequence[int], d
     return timed
 
 
-def probe_machine(nvme_path: str, ds_config: dict, workload: Optional[Workload] = None, quick: bool = False,
+def probe_machine(nvme_path: str, settings: Settings, workload: Optional[Workload] = None, quick: bool = False,
                   device: Optional[torch.device] = None, more_micro_batch_sizes: Sequence[int] = (),
                   layer_repeats: Optional[int] = None) -> Hardware:
     """Everything the planner needs about this machine, as a Hardware; with a workload, its layers
@@ -380,12 +382,12 @@ def probe_machine(nvme_path: str, ds_config: dict, workload: Optional[Workload] 
         raise PlannerError(f"the probe needs an existing folder on the SSD to measure, got {nvme_path!r}: set "
                            "zero_optimization.offload_param.nvme_path in ds_config (or --nvme-path)")
     device = device or deepspeed_compat.accelerator_device()
-    rates = probe_ssd(nvme_path, ds_config, region_mib=32 if quick else 128, repeats=2 if quick else 3)
+    rates = probe_ssd(nvme_path, settings.aio, region_mib=32 if quick else 128, repeats=2 if quick else 3)
     adam = probe_adam(numel=(1 << 21) if quick else (1 << 23), repeats=3 if quick else 5)
     # One layer's update at the model's largest layer, at most 4 Mi elements (the probe's buffers stay
     # small; the cost is per element).
     largest = min(max(layer.params for layer in workload.shape.layers) if workload is not None else 1 << 22, 1 << 22)
-    update_host, update_state_io = probe_update(nvme_path, ds_config, largest, repeats=3 if quick else 5,
+    update_host, update_state_io = probe_update(nvme_path, settings, largest, repeats=3 if quick else 5,
                                                 device_type=device.type)
     handoff = probe_grad_handoff(numel=(1 << 20) if quick else (1 << 22), device=device)
     link = probe_link(device, num_bytes=(64 if quick else 256) * MIB)
@@ -415,7 +417,7 @@ def probe_machine(nvme_path: str, ds_config: dict, workload: Optional[Workload] 
                     zero_grad_reduce_elements_per_s=zero_reduce,
                     host_memory_bytes=_host_memory(),
                     layer_times=layer_times, layer_times_for=key, timed_workloads=more,
-                    notes=f"aio {deepspeed_compat.aio_settings(ds_config)}; SSD folder {nvme_path}")
+                    notes=f"aio {settings.aio.as_dict()}; SSD folder {nvme_path}")
 
 
 def _matmul_flops(device: torch.device, size: int = 1024) -> float:

@@ -1,40 +1,41 @@
 """The SSD bytes a configuration needs for a model shape, by kind: what ``initialize`` logs and checks for a
 built model (``ssd_layout.py``), here for one that is not built (``python -m ds_greedysnake.plan``)."""
-from typing import Dict, Optional, Sequence
+from typing import TYPE_CHECKING, Dict, Optional, Sequence
 
 from ..schedule import layers_updated_after_decision
 from ..ssd_layout import STATE_PIECE_NUMEL, LayoutSettings, activation_spill_bytes, plan_layout
 from .engine_model import EngineSettings
 
+if TYPE_CHECKING:
+    from ..settings import Settings
+
 MIB = 2**20
-DEFAULT_ACTIVATION_HOST_MB = 4096.0  # GreedySnakeConfig.activation_host_memory_mb
 
 
-def ssd_bytes(layer_numels: Sequence[int], ds_config: dict, micro_batches: int, checkpoint_bytes: int,
+def ssd_bytes(layer_numels: Sequence[int], settings: "Settings", micro_batches: int, checkpoint_bytes: int,
               block: Optional[dict] = None, world_size: int = 1,
               frozen_numels: Optional[Sequence[int]] = None) -> Dict[str, int]:
-    """Bytes per kind on one rank's swap folder: the engine's layout for ``ds_config`` (its greedysnake block
-    replaced by ``block`` where given) on layers of ``layer_numels`` trainable parameters (and
+    """Bytes per kind on one rank's swap folder: the engine's layout for ``settings`` (their greedysnake block's
+    fields replaced by ``block``'s where given) on layers of ``layer_numels`` trainable parameters (and
     ``frozen_numels`` frozen ones: a LoRA run's base), sharded over ``world_size`` ranks, and the spill of
     ``micro_batches`` micro-batches of layer inputs of ``checkpoint_bytes`` each."""
-    config = dict(ds_config, greedysnake=dict(ds_config.get("greedysnake") or {}, **(block or {})))
-    engine = EngineSettings.from_ds_config(config)
-    greedysnake = config["greedysnake"]
-    bf16 = bool((config.get("bf16") or {}).get("enabled", False))
-    compute_bytes = 2 if bf16 else 4
-    gradient_bytes = 4 if greedysnake.get("fp32_grad_accumulation", True) else compute_bytes
+    settings = settings.with_greedysnake(**block) if block else settings
+    engine = EngineSettings.from_settings(settings)
+    greedysnake = settings.greedysnake
+    compute_bytes = 2 if settings.bf16 else 4
+    gradient_bytes = 4 if greedysnake.fp32_grad_accumulation else compute_bytes
     shards = [-(-numel // world_size) for numel in layer_numels]
     post_decision = layers_updated_after_decision(len(shards), engine.overlap, engine.deferred_layers, engine.clipping)
     frozen_shards = [-(-numel // world_size) for numel in frozen_numels] if frozen_numels is not None else None
     layout = plan_layout(shards, LayoutSettings(compute_bytes, gradient_bytes, post_decision,
                                                 engine.gradient_host_bytes, engine.optimizer_host_bytes,
                                                 STATE_PIECE_NUMEL), frozen_shards)
-    activation_budget = float(greedysnake.get("activation_host_memory_mb", DEFAULT_ACTIVATION_HOST_MB)) * MIB
+    activation_budget = float(greedysnake.activation_host_memory_mb) * MIB
     spill = activation_spill_bytes(len(shards) - 1, micro_batches, checkpoint_bytes, activation_budget)
     return layout.bytes_by_kind(spill)
 
 
-def model_ssd_bytes(model, ds_config: dict, micro_batches: int, checkpoint_bytes: int,
+def model_ssd_bytes(model, settings: "Settings", micro_batches: int, checkpoint_bytes: int,
                     world_size: int = 1) -> Dict[str, int]:
     """``ssd_bytes`` for a model split as the engine splits it (build it on the meta device to plan one that
     does not fit in memory); a tied output layer's borrowed parameters stay with layer 0."""
@@ -46,7 +47,7 @@ def model_ssd_bytes(model, ds_config: dict, micro_batches: int, checkpoint_bytes
         own = [param for param in layer.parameters() if id(param) not in borrowed]
         numels.append(sum(param.numel() for param in own if param.requires_grad))
         frozen.append(sum(param.numel() for param in own if not param.requires_grad))
-    return ssd_bytes(numels, ds_config, micro_batches, checkpoint_bytes, world_size=world_size, frozen_numels=frozen)
+    return ssd_bytes(numels, settings, micro_batches, checkpoint_bytes, world_size=world_size, frozen_numels=frozen)
 
 
 ZERO_MIN_SWAP_BYTES = 2**20  # DeepSpeed's MIN_AIO_BYTES: smaller tensors (and sub-groups) stay in host memory

@@ -16,11 +16,14 @@ def test_auto_plan_at_initialize(tmp_path):
     from ds_greedysnake.model_split import split_model
     from ds_greedysnake.models.gpt import build_gpt
     from ds_greedysnake.planner.auto import auto_plan
+    from ds_greedysnake.settings import settings_from_ds_config, with_plan_applied
     hardware = os.path.join(REPO, "configs", "hardware", "a100_pcie4.json")
     block = {"auto": True, "plan_hardware": hardware, "plan_host_memory_gb": 2}
     nvme = str(tmp_path / "nvme")
     os.makedirs(nvme)
-    expected, plan, _ = auto_plan(ds_config(nvme, 2, greedysnake=block), split_model(build_gpt(tiny_gpt_config())), nvme)
+    config = ds_config(nvme, 2, greedysnake=block)
+    choice, plan, _ = auto_plan(settings_from_ds_config(config), split_model(build_gpt(tiny_gpt_config())), nvme)
+    expected = with_plan_applied(config, choice.greedysnake, choice.gradient_accumulation_steps)
     engine, batches = make_engine(nvme, 2, greedysnake=block)
     try:
         assert engine.executor.deferred_layers == expected["greedysnake"]["deferred_layers"] == plan.deferred_layers

@@ -40,7 +40,7 @@ def test_a_traced_step_replays_asrecorded_io(tmp_path, overlap):
     assert parts["compute"] > 0
     assert parts["compute"] + parts["ssd_wait"] + parts["worker_wait"] + parts["rest"] == pytest.approx(parts["total"])
 
-    result = replay(trace, engine.ds_config_dict)
+    result = replay(trace, engine.settings.aio)
     for process in processes:
         assert [entry[:-1] for entry in result.log[process]] == recorded_io(trace, process)
     if overlap:

@@ -12,6 +12,7 @@ from ds_greedysnake import optimizer as optimizer_module
 from ds_greedysnake import ssd_layout
 from ds_greedysnake.planner.shapes import GPTShape
 from ds_greedysnake.planner.ssd_space import ssd_bytes, zero_infinity_ssd_bytes
+from ds_greedysnake.settings import settings_from_ds_config
 from greedysnake_run import make_engine
 from zero_infinity_run import make_zero_infinity_engine
 from helpers import MICRO_BATCH_SIZE, data, ds_config, fresh_model, tiny_gpt_config
@@ -145,7 +146,8 @@ def test_ssd_bytes_per_parameter_against_zero_infinity(tmp_path):
                      vocab=config.vocab_size, seq_len=config.seq_len)
     checkpoint_bytes = MICRO_BATCH_SIZE * config.seq_len * HIDDEN * 2
     ds = ds_config("unused", 2, clipping=1.0, bf16=True, greedysnake=ON_SSD)
-    assert ssd_bytes([layer.params for layer in shape.layers], ds, 2, checkpoint_bytes) == clip_on[2]
+    settings = settings_from_ds_config(ds)
+    assert ssd_bytes([layer.params for layer in shape.layers], settings, 2, checkpoint_bytes) == clip_on[2]
     # Clipping on: every layer in one slot, its gradient in its parameter file: 16 B per parameter, at most
     # what ZeRO-Infinity's files hold once it has trained (18 B per parameter it swaps: 2 B bf16 weights,
     # 12 B optimizer states, 4 B fp32 gradient). Right after its initialize ZeRO-Infinity holds less: it

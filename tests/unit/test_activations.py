@@ -4,6 +4,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from ds_greedysnake.deepspeed_compat import AioSettings
 from ds_greedysnake import transfers as transfers_module
 from ds_greedysnake.activations import ActivationStore, InputGradients
 from ds_greedysnake.ssd import IoCounters, Region, SsdIoError, SsdStore
@@ -17,7 +18,7 @@ CPU = torch.device("cpu")
 @pytest.mark.parametrize("budget_bytes", [0, 3 * 4096, 1 << 30])
 def test_checkpoints_come_back_exactly_whatever_the_budget(tmp_path, budget_bytes, staging_buffers):
     counters = IoCounters()
-    store = ActivationStore(SsdStore(str(tmp_path), {}, counters, "act"), budget_bytes, torch.device("cpu"),
+    store = ActivationStore(SsdStore(str(tmp_path), AioSettings(), counters, "act"), budget_bytes, torch.device("cpu"),
                             staging_buffers=staging_buffers)
     tensors = {(layer, mb): torch.randn(2, 16, 32) for layer in (1, 2) for mb in range(3)}
     for key, tensor in tensors.items():
@@ -43,7 +44,7 @@ def test_checkpoints_come_back_exactly_whatever_the_budget(tmp_path, budget_byte
 
 
 def test_bf16_checkpoints_spill(tmp_path):
-    store = ActivationStore(SsdStore(str(tmp_path), {}, IoCounters(), "act"), 0, torch.device("cpu"))
+    store = ActivationStore(SsdStore(str(tmp_path), AioSettings(), IoCounters(), "act"), 0, torch.device("cpu"))
     tensor = torch.randn(3, 5, 7).to(torch.bfloat16)
     store.put(1, 0, tensor)
     store.put(1, 1, tensor + 1)
@@ -275,7 +276,7 @@ def test_a_failed_write_raises_naming_its_file_and_leaves_nothing_in_flight(tmp_
 
 
 def test_clear_with_real_aio_transfers_in_flight(tmp_path):
-    ssd = SsdStore(str(tmp_path), {}, IoCounters(), "act")
+    ssd = SsdStore(str(tmp_path), AioSettings(), IoCounters(), "act")
     activations = ActivationStore(ssd, 0, CPU, staging_buffers=2)
     activations.expect_reads([(1, 2), (1, 1), (1, 0)])
     for micro_batch in range(4):
@@ -287,7 +288,7 @@ def test_clear_with_real_aio_transfers_in_flight(tmp_path):
 
 
 def test_a_failed_read_raises_naming_its_file(tmp_path):
-    ssd = SsdStore(str(tmp_path), {}, IoCounters(), "act")
+    ssd = SsdStore(str(tmp_path), AioSettings(), IoCounters(), "act")
     activations = ActivationStore(ssd, 0, CPU, staging_buffers=1)
     for micro_batch in range(3):
         activations.put(1, micro_batch, torch.randn(32, 32))

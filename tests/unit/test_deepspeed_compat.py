@@ -32,7 +32,7 @@ def test_cpu_adam_kernel_matches_torch_adamw():
 
 def test_locked_buffers_bypass_bounce_copies_and_a_small_memlock_limit_is_named(monkeypatch):
     import pytest
-    handle = deepspeed_compat.new_aio_handle({})
+    handle = deepspeed_compat.new_aio_handle(deepspeed_compat.AioSettings())
     buffer = deepspeed_compat.new_locked_buffer(handle, 1 << 20)
     if buffer is not None:  # the CPU accelerator: locked by the handle, page-aligned
         assert buffer.data_ptr() % 4096 == 0 and buffer.numel() == 1 << 20

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from ds_greedysnake.deepspeed_compat import AioSettings
 from ds_greedysnake.activations import ActivationStore
 from ds_greedysnake.executor import Executor
 from ds_greedysnake.ssd import IoCounters, SsdStore
@@ -96,7 +97,7 @@ def test_evaluate_with_every_checkpoint_spilled_hands_its_read_order_to_the_stor
         return nn.functional.cross_entropy(output.reshape(-1, 32), labels.reshape(-1))
 
     counters = IoCounters()
-    store = SsdStore(str(tmp_path), {}, counters, "act")
+    store = SsdStore(str(tmp_path), AioSettings(), counters, "act")
     optimizer = SimpleNamespace(needs_every_gradient_first=False)
     activations = ActivationStore(store, 0, CPU, staging_buffers=2)
     announced, read = [], []

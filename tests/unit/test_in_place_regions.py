@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from ds_greedysnake.deepspeed_compat import AdamHyperparameters, CpuAdamKernel
+from ds_greedysnake.deepspeed_compat import AdamHyperparameters, AioSettings, CpuAdamKernel
 from ds_greedysnake.host_memory import HostArena, SharedHostMemory
 from ds_greedysnake.ssd import IoCounters, SsdIoError, SsdStore, padded_size
 from ds_greedysnake.update_pipeline import UpdateBuffers, UpdatePipeline
@@ -18,7 +18,7 @@ NUMEL = 3000
 
 @pytest.fixture
 def store(tmp_path):
-    return SsdStore(str(tmp_path), {}, IoCounters(), "t")
+    return SsdStore(str(tmp_path), AioSettings(), IoCounters(), "t")
 
 
 def filled(store, num_bytes, value):
@@ -59,7 +59,7 @@ class Layer:
     """One layer's states on SSD (one or two slots, one piece), weights in the compute dtype, an SSD gradient."""
 
     def __init__(self, folder, slots, grad_dtype=torch.float32):
-        self.store = SsdStore(str(folder), {}, IoCounters(), "t")
+        self.store = SsdStore(str(folder), AioSettings(), IoCounters(), "t")
         self.host = SharedHostMemory(HostArena.for_gradients([NUMEL], 0), HostArena.for_optimizer_states([NUMEL], 0, 0))
         self.states = [self.store.create_region(f"opt_s{slot}", 12 * NUMEL, "optimizer") for slot in range(slots)]
         self.params = self.store.create_region("param", 2 * NUMEL, "param", file_bytes=padded_size(4 * NUMEL))

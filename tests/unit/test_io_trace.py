@@ -3,6 +3,7 @@ import json
 
 import pytest
 
+from ds_greedysnake.deepspeed_compat import AioSettings
 from ds_greedysnake.io_replay import replay
 from ds_greedysnake.io_trace import (RESULT_PIPE, TASK_PIPE, TRAIN, WORKER, IoEvent, IoRecorder, IoTrace,
                                      chrome_trace, completions, time_breakdown)
@@ -19,7 +20,7 @@ def _written(store, label, num_bytes):
 
 def test_a_store_records_each_transfer_on_its_handle_and_each_wait(tmp_path):
     recorder = IoRecorder(TRAIN)
-    store = SsdStore(str(tmp_path), {}, IoCounters(), "param", read_handles=2, recorder=recorder)
+    store = SsdStore(str(tmp_path), AioSettings(), IoCounters(), "param", read_handles=2, recorder=recorder)
     (first, a), (second, b) = _written(store, "a", 8192), _written(store, "b", 3 << 20)
     third = store.create_region("c", 8192, "grad")
     recorder.start()
@@ -45,7 +46,8 @@ def _two_process_trace(tmp_path):
     """Training reads a region and asks the worker for an update; the worker reads and writes another
     region, answers, and training reads the written region: what the replay must keep in order."""
     recorders = {process: IoRecorder(process) for process in (TRAIN, WORKER)}
-    stores = {process: SsdStore(str(tmp_path / process), {}, IoCounters(), process, recorder=recorders[process])
+    stores = {process: SsdStore(str(tmp_path / process), AioSettings(), IoCounters(), process,
+                                recorder=recorders[process])
               for process in (TRAIN, WORKER)}
     param, param_buffer = _written(stores[TRAIN], "param", 64 << 10)
     state, state_buffer = _written(stores[WORKER], "state", 5 << 20)
@@ -67,7 +69,7 @@ def _two_process_trace(tmp_path):
 
 def test_the_replay_issues_the_recorded_operations_in_order_and_keeps_the_messages_order(tmp_path):
     trace = _two_process_trace(tmp_path)
-    result = replay(trace, {})
+    result = replay(trace, AioSettings())
     for process in (TRAIN, WORKER):
         assert [entry[:-1] for entry in result.log[process]] == recorded_io(trace, process)
     times = {(process, entry[0], entry[1], entry[2]): entry[-1] for process, log in result.log.items()
@@ -87,7 +89,7 @@ def test_the_replay_round_trips_through_json(tmp_path):
     trace = _two_process_trace(tmp_path)
     again = IoTrace.from_json(json.loads(json.dumps(trace.to_json())))
     assert again.events == trace.events
-    assert [entry[:-1] for entry in replay(again, {}).log[WORKER]] == recorded_io(trace, WORKER)
+    assert [entry[:-1] for entry in replay(again, AioSettings()).log[WORKER]] == recorded_io(trace, WORKER)
 
 
 def test_a_failed_transfer_in_one_thread_does_not_hang_the_other(tmp_path):
@@ -97,7 +99,7 @@ def test_a_failed_transfer_in_one_thread_does_not_hang_the_other(tmp_path):
     broken = IoEvent(**{**first_issue.__dict__, "path": str(tmp_path / "gone.bin")})
     events = [broken if e is first_issue else e for e in missing]
     with pytest.raises(Exception):
-        replay(IoTrace(events), {})
+        replay(IoTrace(events), AioSettings())
 
 
 def _event(kind, process, start, end, **fields):

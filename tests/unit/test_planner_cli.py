@@ -116,11 +116,13 @@ def test_auto_plan_applies_only_engine_placements(tmp_path):
     from ds_greedysnake.model_split import split_model
     from ds_greedysnake.models.gpt import GPTConfig, build_gpt
     from ds_greedysnake.planner.auto import auto_plan
+    from ds_greedysnake.settings import settings_from_ds_config, with_plan_applied
     modules = split_model(build_gpt(GPTConfig(vocab_size=256, seq_len=16, hidden=64, num_heads=4, num_layers=4)))
     config = {"train_micro_batch_size_per_gpu": 2,
               "greedysnake": {"enabled": True, "auto": True, "plan_hardware": A100, "plan_host_memory_gb": 1,
                               "deferred_layers": 2}}
-    applied, plan, lines = auto_plan(config, modules, str(tmp_path))
+    choice, plan, lines = auto_plan(settings_from_ds_config(config), modules, str(tmp_path))
+    applied = with_plan_applied(config, choice.greedysnake, choice.gradient_accumulation_steps)
     assert applied["greedysnake"]["deferred_layers"] == 2  # set by the user: kept
     for key in ("activation_host_memory_mb", "gradient_host_memory_mb", "optimizer_host_memory_mb"):
         assert applied["greedysnake"][key] == plan.greedysnake_block()[key]
@@ -128,15 +130,17 @@ def test_auto_plan_applies_only_engine_placements(tmp_path):
     assert plan.shares["param"] == 0 and plan.shares["opt"] == 0
     assert any("not applied" in line for line in lines) and "gradient_accumulation_steps" not in config
     fixed = dict(config, gradient_accumulation_steps=3)
-    applied, plan, _ = auto_plan(fixed, modules, str(tmp_path))
+    choice, plan, _ = auto_plan(settings_from_ds_config(fixed), modules, str(tmp_path))
+    applied = with_plan_applied(fixed, choice.greedysnake, choice.gradient_accumulation_steps)
     assert applied["gradient_accumulation_steps"] == 3 and plan.micro_batches == 3
 
 
 def test_auto_plan_refuses_other_models(tmp_path):
     from torch import nn
     from ds_greedysnake.planner.auto import auto_plan
+    from ds_greedysnake.settings import settings_from_ds_config
     with pytest.raises(PlannerError, match="built-in GPT"):
-        auto_plan({"greedysnake": {"auto": True}}, [nn.Linear(2, 2)] * 3, str(tmp_path))
+        auto_plan(settings_from_ds_config({"greedysnake": {"auto": True}}), [nn.Linear(2, 2)] * 3, str(tmp_path))
 
 
 def test_lora_ssd_space_is_the_adapters_plus_one_copy_of_the_base(capsys):

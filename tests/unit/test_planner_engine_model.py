@@ -9,6 +9,7 @@ from ds_greedysnake.planner.errors import PlannerError
 from ds_greedysnake.planner.hardware import Hardware, hardware_from_dict
 from ds_greedysnake.planner.search import best_plan_for
 from ds_greedysnake.planner.shapes import named_shape
+from ds_greedysnake.settings import settings_from_ds_config
 
 MIB = 2**20
 
@@ -48,15 +49,17 @@ def test_optimizer_host_layers_are_a_prefix_that_fits():
 
 def test_engine_settings_read_the_block_and_the_default_split():
     workload = ssd_bound()
-    default = EngineSettings.from_ds_config({"gradient_clipping": 0.0})
+    default = EngineSettings.from_settings(settings_from_ds_config({"gradient_clipping": 0.0}))
     assert default.optimizer_host_bytes == 1024 * MIB and default.deferred(workload) == 2
     assert default.optimizer_host_layers(workload) == 2
-    off = EngineSettings.from_ds_config({"gradient_clipping": 0.0, "greedysnake": {"optimizer_host_memory_mb": 0}})
+    off = EngineSettings.from_settings(settings_from_ds_config({"gradient_clipping": 0.0,
+                                                                "greedysnake": {"optimizer_host_memory_mb": 0}}))
     assert off.optimizer_host_layers(workload) == 0
     # Clipping defers every layer: every layer is eligible, and the budget decides (1 GiB holds all ten).
-    clipped = EngineSettings.from_ds_config({"greedysnake": {"deferred_layers": 3}})
+    clipped = EngineSettings.from_settings(settings_from_ds_config({"greedysnake": {"deferred_layers": 3}}))
     assert clipped.deferred(workload) == 10 and clipped.optimizer_host_layers(workload) == 10
-    three = EngineSettings.from_ds_config({"gradient_clipping": 0.0, "greedysnake": {"deferred_layers": 3}})
+    three = EngineSettings.from_settings(settings_from_ds_config({"gradient_clipping": 0.0,
+                                                                  "greedysnake": {"deferred_layers": 3}}))
     assert three.optimizer_host_layers(workload) == 3
 
 
@@ -124,7 +127,7 @@ def test_plan_block_gives_the_engine_exactly_the_planned_host_states():
     plan = best_plan_for(workload, machine(), 64 * 2**30, HorizontalSettings(), settings=settings)
     assert plan.optimizer_host_layers == plan.deferred_layers > 0  # all eligible: states off the boundary's path
     block = plan.greedysnake_block()
-    applied = EngineSettings.from_ds_config({"gradient_clipping": 0.0, "greedysnake": block})
+    applied = EngineSettings.from_settings(settings_from_ds_config({"gradient_clipping": 0.0, "greedysnake": block}))
     assert applied.optimizer_host_layers(workload) == plan.optimizer_host_layers
     expected = sum(state_slot(layer) for layer in workload.shape.layers[:plan.optimizer_host_layers])
     assert block["optimizer_host_memory_mb"] * MIB == expected

@@ -10,6 +10,7 @@ from ds_greedysnake.planner.errors import PlannerError
 from ds_greedysnake.planner.hardware import Hardware, LayerTimes
 from ds_greedysnake.planner.search import (BudgetTooSmall, best_plan_for, host_bytes, search, solve_placement)
 from ds_greedysnake.planner.shapes import GPTShape, named_shape
+from ds_greedysnake.settings import settings_from_ds_config
 
 MIB = 2**20
 
@@ -169,9 +170,10 @@ def test_bad_workload_values():
 def test_clipping_defers_every_update():
     """With clipping on (DeepSpeed 0.19.8's default when the key is absent) the engine defers every layer:
     the plan says so, and the head's fetch in backward reads serially after its update."""
-    assert EngineSettings.from_ds_config({}).clipping
-    assert not EngineSettings.from_ds_config({"gradient_clipping": 0.0}).clipping
-    assert not EngineSettings.from_ds_config({"greedysnake": {"optimizer_overlap": False}}).overlap
+    assert EngineSettings.from_settings(settings_from_ds_config({})).clipping
+    assert not EngineSettings.from_settings(settings_from_ds_config({"gradient_clipping": 0.0})).clipping
+    no_overlap = settings_from_ds_config({"greedysnake": {"optimizer_overlap": False}})
+    assert not EngineSettings.from_settings(no_overlap).overlap
     workload = Workload(named_shape("gpt-small"), 4, 4)
     layers = len(workload.shape.layers)
     plan = best_plan_for(workload, machine(), 64 * 2**30, HorizontalSettings(), settings=EngineSettings(clipping=True))

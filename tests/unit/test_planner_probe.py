@@ -2,6 +2,7 @@
 removed), not the rates themselves, which a loaded machine moves."""
 import os
 
+from ds_greedysnake.deepspeed_compat import AioSettings
 from ds_greedysnake.planner.probe import probe_ssd
 
 RATE_KEYS = ("ssd_read_bytes_per_s", "ssd_write_bytes_per_s", "ssd_read_bytes_per_s_single",
@@ -10,7 +11,7 @@ RATE_KEYS = ("ssd_read_bytes_per_s", "ssd_write_bytes_per_s", "ssd_read_bytes_pe
 
 def test_ssd_probe_on_tiny_transfers(tmp_path):
     folder = tmp_path / "ssd"
-    rates = probe_ssd(str(folder), {}, region_mib=1, repeats=1)
+    rates = probe_ssd(str(folder), AioSettings(), region_mib=1, repeats=1)
     assert set(rates) == set(RATE_KEYS) | {"ssd_read_seconds_per_transfer", "ssd_write_seconds_per_transfer"}
     assert all(rates[key] > 0 for key in RATE_KEYS), rates
     assert rates["ssd_read_seconds_per_transfer"] >= 0 and rates["ssd_write_seconds_per_transfer"] >= 0

@@ -16,6 +16,7 @@ from ds_greedysnake.planner.errors import PlannerError
 from ds_greedysnake.planner.hardware import ASSUMPTION_SOURCES, Hardware, hardware_from_dict, load_hardware
 from ds_greedysnake.planner.saturation import SweepPoint, SweepRequest, saturation_of, sweep
 from ds_greedysnake.planner.shapes import GPTShape, named_shape
+from ds_greedysnake.settings import settings_from_ds_config
 
 MIB, GIB = 2**20, 2**30
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -112,9 +113,9 @@ def test_zero_infinity_device_memory_follows_its_own_rules():
     assert zero_infinity_device_bytes(Workload(shape, 1, 64, 2, 2), hardware, base).total == reference.total
     without = zero_infinity_device_bytes(workload, hardware, HorizontalSettings(recompute=False))
     assert without.checkpoints > reference.checkpoints
-    read = HorizontalSettings.from_ds_config({"zero_optimization": {
+    read = HorizontalSettings.from_settings(settings_from_ds_config({"zero_optimization": {
         "stage3_prefetch_bucket_size": 123, "stage3_param_persistence_threshold": 7, "stage3_max_live_parameters": 9,
-        "reduce_bucket_size": 11}})
+        "reduce_bucket_size": 11}}))
     assert (read.prefetch, read.prefetch_bucket_elements, read.persistence_threshold, read.max_live_parameters,
             read.reduce_bucket_elements) == (True, 123, 7, 9, 11)
 

@@ -9,6 +9,7 @@ from ds_greedysnake import plan as plan_cli
 from ds_greedysnake.planner.shapes import named_shape
 from ds_greedysnake.planner.ssd_space import model_ssd_bytes, ssd_bytes, zero_infinity_ssd_bytes
 from ds_greedysnake.ssd_layout import padded_size
+from ds_greedysnake.settings import settings_from_ds_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 A100 = os.path.join(REPO, "configs", "hardware", "a100_pcie4.json")
@@ -25,8 +26,8 @@ def test_the_plan_reports_the_ssd_bytes_of_its_recommended_block(capsys):
     recommended = report["recommended"]
     checkpoint_bytes = (config["train_micro_batch_size_per_gpu"] * shape.seq_len * shape.hidden
                         * (2 if (config.get("bf16") or {}).get("enabled") else 4))
-    expected = ssd_bytes([layer.params for layer in shape.layers], config, recommended["micro_batches"],
-                         checkpoint_bytes, recommended["greedysnake_block"])
+    expected = ssd_bytes([layer.params for layer in shape.layers], settings_from_ds_config(config),
+                         recommended["micro_batches"], checkpoint_bytes, recommended["greedysnake_block"])
     assert report["ssd_bytes"] == expected and expected["parameters"] > 0
     assert plan_cli.main(["--config", CONFIG, "--hardware", A100, "--model", "gpt-small", "--host-memory", "8"]) == 0
     assert "SSD space (the recommended block" in capsys.readouterr().out
@@ -35,21 +36,21 @@ def test_the_plan_reports_the_ssd_bytes_of_its_recommended_block(capsys):
 def test_clipping_gives_one_slot_per_layer():
     numels = [1 << 20] * 4
     base = {"bf16": {"enabled": True}, "greedysnake": {"gradient_host_memory_mb": 0, "optimizer_host_memory_mb": 0}}
-    clipped = ssd_bytes(numels, dict(base, gradient_clipping=1.0), 1, 0)
-    unclipped = ssd_bytes(numels, dict(base, gradient_clipping=0.0), 1, 0)
+    clipped = ssd_bytes(numels, settings_from_ds_config(dict(base, gradient_clipping=1.0)), 1, 0)
+    unclipped = ssd_bytes(numels, settings_from_ds_config(dict(base, gradient_clipping=0.0)), 1, 0)
     # One deferred layer of four without clipping: three keep a second parameter and state slot.
     assert clipped["parameters"] == 4 * padded_size(2 << 20)
     assert unclipped["parameters"] == (1 + 2 * 3) * padded_size(2 << 20)
     assert unclipped["optimizer states"] - clipped["optimizer states"] == 3 * padded_size(12 << 20)
     # DeepSpeed 0.19.8 clips when gradient_clipping is absent.
-    assert ssd_bytes(numels, base, 1, 0) == clipped
+    assert ssd_bytes(numels, settings_from_ds_config(base), 1, 0) == clipped
 
 
 def test_a_tied_output_layer_borrows_its_weight_from_layer_0():
     embedding, body, head = nn.Embedding(100, 8), nn.Linear(8, 8), nn.Linear(8, 100, bias=False)
     head.weight = embedding.weight
     model = nn.Sequential(embedding, body, nn.Sequential(nn.LayerNorm(8), head))
-    config = {"greedysnake": {"gradient_host_memory_mb": 0, "optimizer_host_memory_mb": 0}}
+    config = settings_from_ds_config({"greedysnake": {"gradient_host_memory_mb": 0, "optimizer_host_memory_mb": 0}})
     assert model_ssd_bytes(model, config, 1, 0) == ssd_bytes([800, 72, 16], config, 1, 0)
 
 

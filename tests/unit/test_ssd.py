@@ -4,13 +4,14 @@ import os
 import pytest
 import torch
 
+from ds_greedysnake.deepspeed_compat import AioSettings
 from ds_greedysnake import ssd
 from ds_greedysnake.ssd import ALIGNMENT, IoCounters, SsdIoError, SsdStore, aligned_buffer
 
 
 @pytest.fixture
 def store(tmp_path):
-    return SsdStore(str(tmp_path), {}, IoCounters(), "test")
+    return SsdStore(str(tmp_path), AioSettings(), IoCounters(), "test")
 
 
 def test_aligned_buffer():
@@ -64,7 +65,7 @@ def _written_regions(store, count, num_bytes):
 
 def test_one_read_waited_while_others_stay_in_flight(tmp_path):
     """With a read handle per read, waiting for one read completes it alone, checked and counted."""
-    store = SsdStore(str(tmp_path), {}, IoCounters(), "deep", read_handles=2)
+    store = SsdStore(str(tmp_path), AioSettings(), IoCounters(), "deep", read_handles=2)
     num_bytes = 3 * ssd.CHUNK_BYTES  # three ops per read
     (first, second), (first_buffer, second_buffer) = _written_regions(store, 2, num_bytes)
     store.start_read(first, first_buffer)
@@ -79,7 +80,7 @@ def test_one_read_waited_while_others_stay_in_flight(tmp_path):
 
 
 def test_waiting_for_one_read_still_checks_its_tag(tmp_path):
-    store = SsdStore(str(tmp_path), {}, IoCounters(), "deep", read_handles=2)
+    store = SsdStore(str(tmp_path), AioSettings(), IoCounters(), "deep", read_handles=2)
     (first, second), (first_buffer, second_buffer) = _written_regions(store, 2, 8_192)
     first.generation += 1  # as if a later write of it had been lost
     store.start_read(first, first_buffer)
@@ -91,7 +92,7 @@ def test_waiting_for_one_read_still_checks_its_tag(tmp_path):
 
 
 def test_a_read_beyond_the_handles_completes_the_others_first(tmp_path):
-    store = SsdStore(str(tmp_path), {}, IoCounters(), "deep", read_handles=2)
+    store = SsdStore(str(tmp_path), AioSettings(), IoCounters(), "deep", read_handles=2)
     regions, buffers = _written_regions(store, 3, 8_192)
     for region, buffer in zip(regions, buffers):
         store.start_read(region, buffer)
@@ -185,7 +186,7 @@ def test_a_transfer_that_cannot_start_names_the_file_and_leaves_nothing_in_fligh
 def test_several_regions_read_into_one_buffer_as_one_read(tmp_path, read_handles):
     """A layer's trainable slot and its frozen region: one read into consecutive parts of one buffer, on one
     handle, completed together by one wait_for_read, each part's tag checked; other reads stay in flight."""
-    store = SsdStore(str(tmp_path), {}, IoCounters(), "multi", read_handles=read_handles)
+    store = SsdStore(str(tmp_path), AioSettings(), IoCounters(), "multi", read_handles=read_handles)
     (first, second, other), (_, _, other_buffer) = _written_regions(store, 3, 2 * ssd.CHUNK_BYTES + 100)
     assert ssd.buffer_offsets([first, second]) == [0, first.padded_bytes]
     both = store.buffer(first.padded_bytes + second.padded_bytes)

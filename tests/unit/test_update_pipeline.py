@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from ds_greedysnake.deepspeed_compat import AdamHyperparameters, CpuAdamKernel
+from ds_greedysnake.deepspeed_compat import AdamHyperparameters, AioSettings, CpuAdamKernel
 from ds_greedysnake.host_memory import HostArena, SharedHostMemory
 from ds_greedysnake.io_trace import WORKER, IoRecorder
 from ds_greedysnake.ssd import IoCounters, Region, SsdStore, padded_size
@@ -77,7 +77,7 @@ class SsdLayers:
     """Two layers with states on SSD (two slots, one piece each), gradients in host memory."""
 
     def __init__(self, folder, read_ahead_pieces):
-        self.store = SsdStore(str(folder), {}, IoCounters(), "t")
+        self.store = SsdStore(str(folder), AioSettings(), IoCounters(), "t")
         self.host = SharedHostMemory(HostArena.for_gradients([NUMEL] * 2, 1 << 20),
                                      HostArena.for_optimizer_states([NUMEL] * 2, 0, 0))
         self.slots = [[self.store.create_region(f"opt_l{layer}_s{slot}", 12 * NUMEL, "optimizer") for slot in (0, 1)]

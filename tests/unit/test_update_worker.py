@@ -7,7 +7,7 @@ import deepspeed.accelerator
 import pytest
 
 from ds_greedysnake import deepspeed_compat, updates
-from ds_greedysnake.deepspeed_compat import AdamHyperparameters
+from ds_greedysnake.deepspeed_compat import AdamHyperparameters, AioSettings
 from ds_greedysnake.host_memory import HostArena, SharedHostMemory
 from ds_greedysnake.ssd import IoCounters
 
@@ -15,10 +15,11 @@ from ds_greedysnake.ssd import IoCounters
 PROBE = """
 import sys, tempfile, torch
 from deepspeed.accelerator import get_accelerator
+from ds_greedysnake.deepspeed_compat import AioSettings
 from ds_greedysnake.ssd import IoCounters, SsdStore
 from ds_greedysnake.updates import _check_no_accelerator
 _check_no_accelerator()
-SsdStore(tempfile.mkdtemp(dir=sys.argv[1]), {}, IoCounters(), "worker").buffer(1 << 16)
+SsdStore(tempfile.mkdtemp(dir=sys.argv[1]), AioSettings(), IoCounters(), "worker").buffer(1 << 16)
 print(get_accelerator().device_name(), torch.cuda.is_initialized())
 """
 
@@ -54,7 +55,8 @@ def test_the_worker_starts_with_every_accelerator_hidden(monkeypatch, tmp_path):
     hyper = AdamHyperparameters(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
     with monkeypatch.context() as patched, pytest.raises(_Started):
         patched.setattr(updates.subprocess, "Popen", popen)
-        updates.WorkerUpdater(IoCounters(), str(tmp_path), {}, hyper, True, updates.BufferSizes(8, 8, 8), 1, host)
+        updates.WorkerUpdater(IoCounters(), str(tmp_path), AioSettings(), hyper, True, updates.BufferSizes(8, 8, 8), 1,
+                              host)
     env = started["env"]
     assert env["CUDA_VISIBLE_DEVICES"] == "" and env["DS_ACCELERATOR"] == "cpu"
     # Beside a GPU it may compile no op: set-up built its CPU ones (checked before it started).

@@ -19,7 +19,7 @@ import torch
 from deepspeed.ops.op_builder.builder import OpBuilder
 
 from ds_greedysnake import deepspeed_compat, prebuilt_ops, updates
-from ds_greedysnake.deepspeed_compat import AdamHyperparameters
+from ds_greedysnake.deepspeed_compat import AdamHyperparameters, AioSettings
 from ds_greedysnake.host_memory import HostArena, SharedHostMemory
 from ds_greedysnake.ssd import IoCounters
 
@@ -94,8 +94,8 @@ def test_beside_a_gpu_install_the_worker_loads_the_cpu_ops_set_up_built(monkeypa
         patched.setattr(deepspeed.accelerator, "get_accelerator", lambda: _Accelerator("cuda"))
         patched.delenv(deepspeed_compat.REQUIRE_PREBUILT_OPS_ENV, raising=False)
         assert deepspeed_compat.missing_worker_ops() == {}
-        worker = updates.WorkerUpdater(IoCounters(), str(tmp_path), {}, HYPER, True, updates.BufferSizes(8, 8, 8),
-                                       1, _host())
+        worker = updates.WorkerUpdater(IoCounters(), str(tmp_path), AioSettings(), HYPER, True,
+                                       updates.BufferSizes(8, 8, 8), 1, _host())
     try:
         # Up ("ready"): it made its aio handles and its CPU Adam. Which files did it map?
         mapped = open(f"/proc/{worker._process.pid}/maps").read()
@@ -114,7 +114,8 @@ def test_without_them_the_worker_is_not_started_and_the_error_names_the_set_up_c
     started = []
     monkeypatch.setattr(updates.subprocess, "Popen", lambda *args, **kwargs: started.append(args))
     with pytest.raises(deepspeed_compat.NativeOpNotPrebuiltError) as raised:
-        updates.WorkerUpdater(IoCounters(), str(tmp_path), {}, HYPER, True, updates.BufferSizes(8, 8, 8), 1, _host())
+        updates.WorkerUpdater(IoCounters(), str(tmp_path), AioSettings(), HYPER, True, updates.BufferSizes(8, 8, 8), 1,
+                              _host())
     message = str(raised.value)
     assert "installed for cuda" in message and "pin_memory, async_io, cpu_adam" in message
     assert "`python scripts/native_ops.py build --accelerator cpu`" in message and "bash scripts/setup.sh" in message
