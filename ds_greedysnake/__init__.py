@@ -1,13 +1,13 @@
 """ds_greedysnake: vertical (GreedySnake) scheduling for SSD-offloaded training on DeepSpeed."""
-from .accelerate_prepare import prepare
+from .hf.accelerate_prepare import prepare
 from .config import GreedySnakeConfig, GreedySnakeConfigError
 from .initialize import from_pretrained, initialize
-from .micro_batch import LossWithMetrics
-from .model_split import ModelSplitError
-from .pretrained import PretrainedWeightsError
-from .weights import WeightsAccessError
-from .zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_dict, get_fp32_state_dict_from_zero_checkpoint,
-                           load_state_dict_from_zero_checkpoint)
+from .models.micro_batch import LossWithMetrics
+from .models.model_split import ModelSplitError
+from .models.pretrained import PretrainedWeightsError
+from .models.weights import WeightsAccessError
+from .models.zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_dict, get_fp32_state_dict_from_zero_checkpoint,
+                                  load_state_dict_from_zero_checkpoint)
 
 __all__ = ["initialize", "prepare", "from_pretrained", "GreedySnakeConfig", "GreedySnakeConfigError", "ModelSplitError",
            "PretrainedWeightsError", "WeightsAccessError", "GreedySnakeTrainer", "GreedySnakeTrainerMixin",
@@ -22,9 +22,9 @@ _HF_TRAINER_NAMES = ("GreedySnakeTrainer", "GreedySnakeTrainerMixin")
 def __getattr__(name):
     # Imported on first use: transformers' Trainer (and accelerate) take seconds to import.
     if name in _HF_TRAINER_NAMES:
-        from . import hf_trainer
+        from .hf import hf_trainer
         return getattr(hf_trainer, name)
     if name == "GreedySnakeSFTTrainer":  # needs trl: ds_greedysnake[trl]
-        from .sft_trainer import GreedySnakeSFTTrainer
+        from .hf.sft_trainer import GreedySnakeSFTTrainer
         return GreedySnakeSFTTrainer
     raise AttributeError(f"module 'ds_greedysnake' has no attribute {name!r}")

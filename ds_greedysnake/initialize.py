@@ -16,9 +16,9 @@ from deepspeed.utils import log_dist
 
 from .config import check_ds_config
 from .deepspeed_compat import parsed_ds_config, remove_shm_buffer_at_exit
-from .engine import GreedySnakeEngine
-from .model_split import split_model
-from .pretrained import PretrainedWeights, empty_model, initialise_adapters_on_meta, leave_meta_device
+from .runtime.engine import GreedySnakeEngine
+from .models.model_split import split_model
+from .models.pretrained import PretrainedWeights, empty_model, initialise_adapters_on_meta, leave_meta_device
 from .settings import Settings, bf16_enabled, settings_from_ds_config, with_plan_applied
 
 
@@ -42,7 +42,7 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
 
     ``pretrained``: a Hugging Face folder of safetensors weights to start from instead of the model's
     own, read one layer at a time into the SSD regions (pretrained.py); the model may then have its
-    parameters on the meta device (``ds_greedysnake.pretrained.empty_model(folder)``).
+    parameters on the meta device (``ds_greedysnake.models.pretrained.empty_model(folder)``).
     """
     if model is None:
         raise ValueError("initialize needs a model")

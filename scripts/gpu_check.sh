@@ -15,7 +15,7 @@
 # 2. Then, within CHECK_SECONDS (default 330) from the script's start, set-up included, each stage under its
 #    own timeout:
 #    fp32 and bf16 parity against plain PyTorch on the GPU; the one-rank A/B of ssd_bound at M=1 and 8
-#    against ZeRO-Infinity (scripts/ab_bench.py); a profile of one step (the share of each layer's
+#    against ZeRO-Infinity (scripts/bench/ab_bench/ab_bench.py); a profile of one step (the share of each layer's
 #    host-to-device copy hidden under compute); with the time left, the LoRA row at M=8 (its step against
 #    its own floor, a Chrome trace of the median step).
 # 3. OUT_DIR gets one JSON per stage, gpu_check.json (everything) and report.md (a short table).
@@ -130,7 +130,7 @@ export DS_GREEDYSNAKE_REQUIRE_PREBUILT_OPS=1
 "$PY" scripts/native_ops.py report || exit 3
 "$PY" - "$OUT/setup.json" "$DRY_RUN" "$(( $(date +%s) - setup_started ))" <<'PY' || exit 3
 import json, os, sys
-sys.path.insert(0, os.path.join(os.getcwd(), "scripts"))
+sys.path.insert(0, os.path.join(os.getcwd(), "scripts", "bench", "gpu_check"))
 from gpu_check import _environment
 json.dump({"dry_run": sys.argv[2] == "1", "seconds": int(sys.argv[3]), "environment": _environment()},
           open(sys.argv[1], "w"), indent=1)
@@ -173,17 +173,17 @@ else
     PROFILE_OPTIONS=()
     PARITY_SECONDS=40 AB_SECONDS=120 PROFILE_SECONDS=45
 fi
-stage parity_fp32 "$PARITY_SECONDS" "$PY" scripts/gpu_check.py parity --dtype fp32 --out "$OUT/parity_fp32.json" \
+stage parity_fp32 "$PARITY_SECONDS" "$PY" scripts/bench/gpu_check/gpu_check.py parity --dtype fp32 --out "$OUT/parity_fp32.json" \
     --nvme-path "$NVME_PATH"
-stage parity_bf16 "$PARITY_SECONDS" "$PY" scripts/gpu_check.py parity --dtype bf16 --out "$OUT/parity_bf16.json" \
+stage parity_bf16 "$PARITY_SECONDS" "$PY" scripts/bench/gpu_check/gpu_check.py parity --dtype bf16 --out "$OUT/parity_bf16.json" \
     --nvme-path "$NVME_PATH"
-stage ab_ssd_bound "$AB_SECONDS" "$PY" scripts/ab_bench.py --configs ssd_bound --ranks 1 --no-plot "${AB_OPTIONS[@]}" \
+stage ab_ssd_bound "$AB_SECONDS" "$PY" scripts/bench/ab_bench/ab_bench.py --configs ssd_bound --ranks 1 --no-plot "${AB_OPTIONS[@]}" \
     --nvme-path "$NVME_PATH" --out-dir "$OUT/ab"
-stage profile "$PROFILE_SECONDS" "$PY" scripts/gpu_check.py profile --out "$OUT/profile.json" \
+stage profile "$PROFILE_SECONDS" "$PY" scripts/bench/gpu_check/gpu_check.py profile --out "$OUT/profile.json" \
     --nvme-path "$NVME_PATH" "${PROFILE_OPTIONS[@]}"
 # Last, in whatever time is left: the LoRA row at M=8 (frozen base, PEFT adapters), with greedysnake's step
 # against its own floor and a Chrome trace of its median step.
-stage ab_lora "$CHECK_SECONDS" "$PY" scripts/ab_bench.py --configs lora --micro-batches 8 --ranks 1 --no-plot \
+stage ab_lora "$CHECK_SECONDS" "$PY" scripts/bench/ab_bench/ab_bench.py --configs lora --micro-batches 8 --ranks 1 --no-plot \
     "${LORA_OPTIONS[@]}" --nvme-path "$NVME_PATH" --out-dir "$OUT/ab_lora" --trace "$OUT/ab_lora/step.json"
 
 # ----------------------------------------------------------------------------- 3. the report
@@ -196,6 +196,6 @@ for line in open(os.path.join(folder, "stages.tsv")):
     stages[name] = {"exit": int(code) if code.lstrip("-").isdigit() else code, "seconds": int(seconds)}
 json.dump(stages, open(os.path.join(folder, "stages.json"), "w"), indent=1)
 PY
-"$PY" scripts/gpu_check.py report "$OUT"
+"$PY" scripts/bench/gpu_check/gpu_check.py report "$OUT"
 log "done: $OUT/gpu_check.json, $OUT/report.md"
 exit "$first_failure"

@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 from ds_greedysnake.planner.ssd_space import model_ssd_bytes, zero_infinity_ssd_bytes  # noqa: E402
 from ds_greedysnake.settings import settings_from_ds_config  # noqa: E402
-from ds_greedysnake.ssd_layout import describe  # noqa: E402
+from ds_greedysnake.storage.ssd_layout import describe  # noqa: E402
 
 
 def main():

@@ -106,7 +106,7 @@ _BUILD_GROUPS = (("pin_memory", "async_io"), ("cpu_adam",), ("deepspeed_shm_comm
 def _accelerator_environment(accelerator: str) -> dict:
     from ds_greedysnake import deepspeed_compat
     if accelerator == deepspeed_compat.WORKER_ACCELERATOR:
-        from ds_greedysnake.updates import WORKER_HIDDEN_ACCELERATORS
+        from ds_greedysnake.optim.updates import WORKER_HIDDEN_ACCELERATORS
         env = dict(os.environ, **WORKER_HIDDEN_ACCELERATORS)  # as the worker runs: no GPU in sight
     else:
         env = dict(os.environ, DS_ACCELERATOR=accelerator)

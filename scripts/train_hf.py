@@ -8,7 +8,7 @@
 
 The model is built from a transformers config with random weights, or starts from the safetensors
 weights in --config-path: greedysnake reads them one layer at a time straight into its SSD regions
-(ds_greedysnake.pretrained; the model never has to fit in host memory). --save-pretrained writes the
+(ds_greedysnake.models.pretrained; the model never has to fit in host memory). --save-pretrained writes the
 trained model as a Hugging Face checkpoint, one layer in memory at a time. Data: a 1-D tensor of
 token ids saved with torch.save (--data), or a generated corpus. A tqdm bar shows loss, tokens/s and SSD GB/s (greedysnake: bytes counted at its aio
 layer; --baseline: the process's /proc I/O counters). --checkpoint-every N saves with the engine's
@@ -118,7 +118,7 @@ def build_model(args, ds_config):
     dtype = torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else torch.float32
     if pretrained_folder(args):
         # Parameters on the meta device: initialize(pretrained=...) reads the weights layer by layer.
-        from ds_greedysnake.pretrained import empty_model
+        from ds_greedysnake.models.pretrained import empty_model
         model = empty_model(config, dtype)
         model.config.use_cache = False
         return with_lora(args, model)

@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional
 import torch
 from torch import nn
 
-from ..micro_batch import side_input_on_host, side_inputs as current_side_inputs
+from .micro_batch import side_input_on_host, side_inputs as current_side_inputs
 from ..shared import ModelSplitError
 
 # The only per-family hint: attribute names under which a decoder stack keeps its rotary module

@@ -1,5 +1,5 @@
-"""The planner: a cost model of both engines and a search that picks M, the optimizer split and
-the data placement for a machine. ``python -m ds_greedysnake.plan --help``; docs/planner.md."""
+"""The planner: a cost model of both engines, a search for M, the optimizer split and the data placement, its
+CLI (cli.py). Imports runtime/ (the schedule), storage/, the base; optim/, models/ only inside a function."""
 from .cost_model import HorizontalSettings, StepPrediction, Workload, evaluate, horizontal_phases
 from .engine_model import EngineSettings, engine_phases
 from .errors import PlannerError

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 from .cost_model import (GRAD_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, Linear, Phase, Rates, Workload, layer_times,
                          on_ssd)
-from ..schedule import default_deferred_layers, layers_updated_after_decision
+from ..runtime.schedule import default_deferred_layers, layers_updated_after_decision
 from .errors import PlannerError
 from .hardware import Hardware
 

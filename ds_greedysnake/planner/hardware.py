@@ -71,7 +71,7 @@ class Hardware:
     compute_slowdown_sharing_cores: Optional[float] = None
     notes: str = ""
     # Where each number comes from: field (or "model.<what>") -> {"source": one of ASSUMPTION_SOURCES,
-    # "note": why this value}. Shown by scripts/plan_projection.py; checked by the unit tests.
+    # "note": why this value}. Shown by scripts/bench/plan_projection.py; checked by the unit tests.
     assumptions: Dict[str, Dict[str, str]] = field(default_factory=dict)
     # Probe only: layer kind -> times, valid for ``layer_times_for`` (a workload key, see cost_model).
     layer_times: Dict[str, LayerTimes] = field(default_factory=dict)

@@ -21,10 +21,10 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 import torch
 
 from .. import deepspeed_compat
-from .. import transfers
+from ..storage import transfers
 from ..config import worker_threads_for
 from ..settings import Settings
-from ..ssd import ALIGNMENT, IoCounters, SsdStore
+from ..storage.ssd import ALIGNMENT, IoCounters, SsdStore
 from .cost_model import Workload
 from .errors import PlannerError
 from .device_memory import layer_working_set_bytes
@@ -149,9 +149,9 @@ def probe_update(folder: str, settings: Settings, numel: int, repeats: int = 5,
     gradient in host memory, the new weights cast and written; what the states' SSD round trip adds).
     Several updates of ``numel`` elements are queued on the engine's own ``UpdatePipeline``, so the next
     update's read overlaps the current one's Adam and writes, as in the worker."""
-    from ..host_memory import HostArena, SharedHostMemory
-    from ..update_pipeline import STATE_PIECE_NUMEL, UpdateBuffers, UpdatePipeline, piece_ranges
-    from ..updates import UpdateTask, plan_write
+    from ..storage.host_memory import HostArena, SharedHostMemory
+    from ..optim.update_pipeline import STATE_PIECE_NUMEL, UpdateBuffers, UpdatePipeline, piece_ranges
+    from ..optim.updates import UpdateTask, plan_write
 
     os.makedirs(folder, exist_ok=True)
     scratch = tempfile.mkdtemp(prefix="planner_update_", dir=folder)
@@ -224,7 +224,7 @@ def probe_grad_handoff(numel: int = 1 << 22, repeats: int = 5, device: Optional[
     gradient from the device into registered host memory on the transfer stream and take its squared
     norm (the engine's own ``squared_norm``, for clipping and the overflow check) where the gradient is,
     as ``LayerwiseAdam.receive_gradient`` does. On the CPU accelerator both are host memory."""
-    from ..optimizer import squared_norm
+    from ..runtime.optimizer import squared_norm
     device = device or torch.device("cpu")
     copies = transfers.Transfers.for_device(device)
     source = torch.randn(numel, device=device)

@@ -7,7 +7,7 @@ ZeRO-Infinity: its horizontal model with the config's ZeRO-3 settings). The *cur
 tokens/s at each global batch (micro-batch size x M x ranks); the *plateau* is its highest point over
 the sweep; the *saturation point* is the smallest global batch within ``knee`` (95%) of the plateau.
 The ratio of two engines' saturated throughputs is the ratio of their plateaus. ``saturation_of``
-reduces measured points (``scripts/saturation_accuracy.py``) the same way.
+reduces measured points (``scripts/bench/saturation_accuracy.py``) the same way.
 """
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
@@ -20,7 +20,7 @@ from .errors import PlannerError
 from .hardware import Hardware
 from .search import BudgetTooSmall, best_plan_for
 from .shapes import GPTShape
-from ..schedule import default_deferred_layers
+from ..runtime.schedule import default_deferred_layers
 
 KNEE = 0.95
 DEFAULT_MICRO_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)

@@ -20,7 +20,7 @@ from .engine_model import (EngineSettings, engine_phases, layers_updated_after_d
                            slot_bytes)
 from .errors import PlannerError
 from .hardware import Hardware
-from ..schedule import default_deferred_layers
+from ..runtime.schedule import default_deferred_layers
 
 GIB = 2**30
 MIB = 2**20

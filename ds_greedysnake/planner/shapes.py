@@ -78,16 +78,16 @@ def lora_numels(shape: "GPTShape", rank: int) -> List[Tuple[int, int]]:
     return [(adapters if layer.kind == "block" else 0, layer.params) for layer in shape.layers]
 
 
-# The A/B benchmark's two configurations (scripts/ab_bench.py) and the paper's models. The paper's
+# The A/B benchmark's two configurations (scripts/bench/ab_bench/ab_bench.py) and the paper's models. The paper's
 # shapes are GPT-3-style; its sequence length is not restated in our design notes: 2048 is assumed.
 NAMED_SHAPES: Dict[str, GPTShape] = {
     shape.name: shape for shape in (
         GPTShape("gpt-small", num_blocks=4, hidden=512, heads=8, vocab=2048, seq_len=128,
                  notes="scripts/train.py's built-in small GPT"),
         GPTShape("ab-ssd-bound", num_blocks=8, hidden=512, heads=8, vocab=2048, seq_len=8,
-                 notes="scripts/ab_bench.py ssd_bound (micro-batch 1; since main f2b36b5)"),
+                 notes="scripts/bench/ab_bench/ab_bench.py ssd_bound (micro-batch 1; since main f2b36b5)"),
         GPTShape("ab-compute-bound", num_blocks=2, hidden=512, heads=8, vocab=2048, seq_len=128,
-                 notes="scripts/ab_bench.py compute_bound (micro-batch 4)"),
+                 notes="scripts/bench/ab_bench/ab_bench.py compute_bound (micro-batch 4)"),
         GPTShape("gpt-65b", num_blocks=80, hidden=8192, heads=64, vocab=50257, seq_len=2048,
                  notes="the paper's GPT-65B: 80 layers, hidden 8192 (sequence length 2048 assumed)"),
         GPTShape("gpt-175b", num_blocks=96, hidden=12288, heads=96, vocab=50257, seq_len=2048,

@@ -2,8 +2,8 @@
 built model (``ssd_layout.py``), here for one that is not built (``python -m ds_greedysnake.plan``)."""
 from typing import TYPE_CHECKING, Dict, Optional, Sequence
 
-from ..schedule import layers_updated_after_decision
-from ..ssd_layout import STATE_PIECE_NUMEL, LayoutSettings, activation_spill_bytes, plan_layout
+from ..runtime.schedule import layers_updated_after_decision
+from ..storage.ssd_layout import STATE_PIECE_NUMEL, LayoutSettings, activation_spill_bytes, plan_layout
 from .engine_model import EngineSettings
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ def model_ssd_bytes(model, settings: "Settings", micro_batches: int, checkpoint_
                     world_size: int = 1) -> Dict[str, int]:
     """``ssd_bytes`` for a model split as the engine splits it (build it on the meta device to plan one that
     does not fit in memory); a tied output layer's borrowed parameters stay with layer 0."""
-    from ..model_split import plan_split  # torch: only when a model is given
+    from ..models.model_split import plan_split  # torch: only when a model is given
     split = plan_split(model)
     numels, frozen = [], []
     for index, layer in enumerate(split.layers):

@@ -19,7 +19,7 @@ for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MA
 
 import torch  # noqa: E402
 
-import ds_greedysnake.checkpoint as checkpoint_module  # noqa: E402
+import ds_greedysnake.storage.checkpoint as checkpoint_module  # noqa: E402
 from greedysnake_run import make_engine  # noqa: E402
 
 NUM_MICRO_BATCHES = 2

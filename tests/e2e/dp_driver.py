@@ -39,7 +39,7 @@ def make_hf_engine(nvme_path: str, family: str, num_micro_batches: int, lora: bo
 def export_weights(engine, folder: str, rank: int) -> dict:
     """Every way out, called on every rank as DeepSpeed's collectives are."""
     import deepspeed
-    from ds_greedysnake.weights import WeightsAccessError
+    from ds_greedysnake.models.weights import WeightsAccessError
     engine.save_16bit_model(folder)
     engine.save_pretrained(os.path.join(folder, "hf"), max_shard_size="100KB")  # a PEFT model: its adapters
     with deepspeed.zero.GatheredParameters(engine.module.parameters()):

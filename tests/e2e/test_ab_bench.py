@@ -1,4 +1,4 @@
-"""scripts/ab_bench.py --quick on a tiny size: every field is in the JSON, and both engines end on the same loss."""
+"""scripts/bench/ab_bench/ab_bench.py --quick on a tiny size: every field is in the JSON, and both engines end on the same loss."""
 import json
 import math
 import os
@@ -12,7 +12,7 @@ from helpers import free_port, remove_shm_buffers
 pytestmark = pytest.mark.slow
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(REPO, "scripts", "ab_bench.py")
+SCRIPT = os.path.join(REPO, "scripts", "bench", "ab_bench", "ab_bench.py")
 
 RUN_FIELDS = {
     "engine", "config", "micro_batches", "micro_batch_size", "global_batch", "tokens_per_step", "parameters",
@@ -34,7 +34,7 @@ MACHINE_FIELDS = {"ssd_read_bytes_per_s", "ssd_write_bytes_per_s", "adam_element
 
 
 def run_bench(out_dir, *arguments):
-    """scripts/ab_bench.py --quick with ``arguments``; its JSON report."""
+    """scripts/bench/ab_bench/ab_bench.py --quick with ``arguments``; its JSON report."""
     nvme = os.path.join(REPO, ".nvme_swap", "test_ab_bench")
     # The parent gives each engine subprocess a fresh free port and removes its /dev/shm buffer;
     # this port only covers the parent itself.

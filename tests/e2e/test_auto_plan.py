@@ -1,5 +1,5 @@
 """``"auto": true`` at initialize: the plan applied and trained with (the planner's accuracy is judged in
-tests/unit/test_planner_accuracy.py on recorded runs, and live by scripts/planner_accuracy.py)."""
+tests/unit/planner/test_planner_accuracy.py on recorded runs, and live by scripts/bench/planner_accuracy.py)."""
 import os
 
 import pytest
@@ -13,7 +13,7 @@ def test_auto_plan_at_initialize(tmp_path):
     """``"auto": true`` with a hardware file: initialize applies the plan and the engine trains with it."""
     from greedysnake_run import make_engine
     from helpers import ds_config, tiny_gpt_config
-    from ds_greedysnake.model_split import split_model
+    from ds_greedysnake.models.model_split import split_model
     from ds_greedysnake.models.gpt import build_gpt
     from ds_greedysnake.planner.auto import auto_plan
     from ds_greedysnake.settings import settings_from_ds_config, with_plan_applied

@@ -93,8 +93,8 @@ def fill(folder):
 
 def test_full_disk_gives_clear_errors_and_the_last_checkpoint_loads(small_filesystem):
     from greedysnake_run import make_engine
-    from ds_greedysnake.checkpoint import CheckpointError
-    from ds_greedysnake.ssd import SsdIoError
+    from ds_greedysnake.storage.checkpoint import CheckpointError
+    from ds_greedysnake.storage.ssd import SsdIoError
 
     nvme, checkpoints = small_filesystem / "nvme", str(small_filesystem / "checkpoints")
     engine, batches = make_engine(str(nvme), 2, hidden=128, greedysnake={"activation_host_memory_mb": 0})
@@ -183,7 +183,7 @@ def assert_same_snapshot(first, second):
 
 
 def test_a_foreign_pickle_is_refused_and_loads_only_when_trusted(tmp_path, engine_and_batches):
-    from ds_greedysnake.checkpoint import CheckpointError
+    from ds_greedysnake.storage.checkpoint import CheckpointError
     engine, batches = engine_and_batches
     engine.train_batch(batches)
     engine.save_checkpoint(str(tmp_path), tag="saved")
@@ -207,7 +207,7 @@ def test_a_foreign_pickle_is_refused_and_loads_only_when_trusted(tmp_path, engin
 @pytest.mark.parametrize("damage", ["missing", "truncated"])
 def test_a_missing_or_truncated_shard_is_named_and_nothing_is_loaded(tmp_path, engine_and_batches,
                                                                      saved_on_two_ranks, damage):
-    from ds_greedysnake.checkpoint import CheckpointError
+    from ds_greedysnake.storage.checkpoint import CheckpointError
     engine, batches = engine_and_batches
     checkpoints = tmp_path / "checkpoints"
     shutil.copytree(saved_on_two_ranks, checkpoints)

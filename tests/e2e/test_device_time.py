@@ -7,9 +7,9 @@ import time
 import pytest
 import torch
 
-from ds_greedysnake import transfers as transfers_module
-from ds_greedysnake.io_trace import COMPUTE_OPS, TRAIN, time_breakdown
-from ds_greedysnake.transfers import Transfers
+from ds_greedysnake.storage import transfers as transfers_module
+from ds_greedysnake.storage.io_trace import COMPUTE_OPS, TRAIN, time_breakdown
+from ds_greedysnake.storage.transfers import Transfers
 from test_host_waits import LaggingEvent, RecordingDevice, make_engine
 
 pytestmark = pytest.mark.slow

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from ds_greedysnake import ssd_layout
+from ds_greedysnake.storage import ssd_layout
 from greedysnake_run import make_engine
 
 pytestmark = pytest.mark.slow

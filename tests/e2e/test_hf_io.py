@@ -15,8 +15,8 @@ import deepspeed  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 import ds_greedysnake  # noqa: E402
-from ds_greedysnake import export  # noqa: E402
-from ds_greedysnake.weights import WeightsAccessError  # noqa: E402
+from ds_greedysnake.models import export  # noqa: E402
+from ds_greedysnake.models.weights import WeightsAccessError  # noqa: E402
 from hf_models import hf_data, hf_loss_of, tiny_model  # noqa: E402
 from helpers import ds_config, free_port, reference_training, relative_l2, remove_shm_buffers  # noqa: E402
 

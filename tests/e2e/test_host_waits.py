@@ -23,8 +23,8 @@ import os
 import pytest
 import torch
 
-from ds_greedysnake import transfers as transfers_module
-from ds_greedysnake.transfers import Transfers
+from ds_greedysnake.storage import transfers as transfers_module
+from ds_greedysnake.storage.transfers import Transfers
 import ds_greedysnake
 from ds_greedysnake.models.gpt import GPTConfig, lm_loss
 from helpers import data, ds_config, fresh_model

@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from ds_greedysnake.io_replay import replay
-from ds_greedysnake.io_trace import RESULT_PIPE, TASK_PIPE, TRAIN, WORKER, time_breakdown, write_chrome_trace
+from ds_greedysnake.storage.io_replay import replay
+from ds_greedysnake.storage.io_trace import RESULT_PIPE, TASK_PIPE, TRAIN, WORKER, time_breakdown, write_chrome_trace
 from greedysnake_run import make_engine
 from helpers import recorded_io
 

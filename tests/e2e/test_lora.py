@@ -13,8 +13,8 @@ pytest.importorskip("peft")
 import ds_greedysnake  # noqa: E402
 from ds_greedysnake.models.gpt import lm_loss  # noqa: E402
 from ds_greedysnake.models.hf import hf_causal_lm_loss  # noqa: E402
-from ds_greedysnake.schedule import OpKind  # noqa: E402
-from ds_greedysnake.ssd_layout import padded_size  # noqa: E402
+from ds_greedysnake.runtime.schedule import OpKind  # noqa: E402
+from ds_greedysnake.storage.ssd_layout import padded_size  # noqa: E402
 from hf_models import hf_data, hf_loss_of, lora_model, tiny_model  # noqa: E402
 from helpers import (accumulate_micro_batches, data, ds_config, fresh_model, reference_training,  # noqa: E402
                      tiny_gpt_config)

@@ -5,7 +5,7 @@ import signal
 import pytest
 import torch
 
-from ds_greedysnake.checkpoint import read_full_layer
+from ds_greedysnake.storage.checkpoint import read_full_layer
 from greedysnake_run import make_engine, run_greedysnake
 from helpers import data, tiny_gpt_config
 

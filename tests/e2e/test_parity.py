@@ -4,8 +4,8 @@ import os
 import pytest
 import torch
 
-from ds_greedysnake import optimizer as optimizer_module
-from ds_greedysnake.schedule import default_deferred_layers
+from ds_greedysnake.runtime import optimizer as optimizer_module
+from ds_greedysnake.runtime.schedule import default_deferred_layers
 from greedysnake_run import make_engine, run_greedysnake
 from helpers import fresh_model, reference_training, relative_l2, tiny_gpt_config
 

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from ds_greedysnake.engine import ShortDataError
+from ds_greedysnake.runtime.engine import ShortDataError
 from greedysnake_run import make_engine
 from helpers import fresh_model, reference_training, relative_l2, tiny_gpt_config
 

@@ -1,4 +1,4 @@
-"""scripts/ssd_rates.py on small sizes: every size and transfer kind measured, its files removed, bad
+"""scripts/bench/ssd_rates.py on small sizes: every size and transfer kind measured, its files removed, bad
 arguments refused with the value named."""
 import json
 import os
@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(REPO, "scripts", "ssd_rates.py")
+SCRIPT = os.path.join(REPO, "scripts", "bench", "ssd_rates.py")
 
 
 def run(*args):

@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from ds_greedysnake import optimizer as optimizer_module
-from ds_greedysnake import ssd_layout
+from ds_greedysnake.runtime import optimizer as optimizer_module
+from ds_greedysnake.storage import ssd_layout
 from ds_greedysnake.planner.shapes import GPTShape
 from ds_greedysnake.planner.ssd_space import ssd_bytes, zero_infinity_ssd_bytes
 from ds_greedysnake.settings import settings_from_ds_config

@@ -3,7 +3,7 @@ import os
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "scripts"))
+sys.path.insert(0, os.path.join(REPO, "scripts", "bench", "ab_bench"))
 
 import ab_bench  # noqa: E402
 from ab_bench_report import busy_table  # noqa: E402

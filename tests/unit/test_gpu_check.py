@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts", "bench", "gpu_check"))
 
 import gpu_check  # noqa: E402
 from gpu_check_profile import layer_copy_overlap  # noqa: E402
@@ -77,8 +77,8 @@ def test_the_report_counts_the_profiled_steps_synchronizing_calls(tmp_path):
     (tmp_path / "setup.json").write_text(json.dumps({"dry_run": False, "environment": {"accelerator": "cuda"}}))
     (tmp_path / "profile.json").write_text(json.dumps({
         "hidden_share": 0.9, "copy_ms": 12.0, "copies": [], "note": "",
-        "synchronizing_calls": {"ds_greedysnake/transfers.py:61": 2, "ds_greedysnake/layer.py:300": 4}}))
+        "synchronizing_calls": {"ds_greedysnake/storage/transfers.py:61": 2, "ds_greedysnake/runtime/layer.py:300": 4}}))
     gpu_check.main(["report", str(tmp_path)])
     report = (tmp_path / "report.md").read_text()
     assert ("profiled step: 6 synchronizing CUDA calls (torch's sync debug mode, each a host wait); "
-            "4 at ds_greedysnake/layer.py:300; 2 at ds_greedysnake/transfers.py:61") in report
+            "4 at ds_greedysnake/runtime/layer.py:300; 2 at ds_greedysnake/storage/transfers.py:61") in report

@@ -29,10 +29,10 @@ ENTRY_POINTS: Dict[str, Set[str]] = {
     "settings.py": {"*"},                # the one reader
     "config.py": {"parse_greedysnake_config", "check_ds_config"},  # the block's parser, the checks at initialize
     "deepspeed_compat.py": {"aio_settings", "parsed_ds_config"},   # DeepSpeed's own parsers (its internals)
-    "plan.py": {"_load_settings"},       # the planner's CLI
+    "planner/cli.py": {"_load_settings"},  # the planner's CLI
     # Trainer's and accelerate's way in: accelerate's dict is checked before initialize gets it.
-    "hf_trainer.py": {"greedysnake_enabled", "_ds_config", "_refuse_unsupported"},
-    "accelerate_prepare.py": {"prepare"},
+    "hf/hf_trainer.py": {"greedysnake_enabled", "_ds_config", "_refuse_unsupported"},
+    "hf/accelerate_prepare.py": {"prepare"},
 }
 
 
@@ -165,7 +165,7 @@ def test_an_engine_trains_with_the_settings_as_the_only_parsed_copy(tmp_path, mo
     construction and a training step (the optimizer worker gets the aio settings, not the dict)."""
     import importlib
     import ds_greedysnake
-    from ds_greedysnake import accelerate_prepare, hf_trainer
+    from ds_greedysnake.hf import accelerate_prepare, hf_trainer
     from ds_greedysnake.models.gpt import GPTConfig, build_gpt, lm_loss
     from helpers import data, ds_config
     initialize_module = importlib.import_module("ds_greedysnake.initialize")

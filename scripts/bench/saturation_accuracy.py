@@ -1,0 +1,248 @@
+"""Predicted against measured saturated throughput: the ``--saturated`` reduction on A/B benchmark runs.
+
+    python scripts/bench/ab_bench/ab_bench.py --configs ssd_bound --micro-batch-size 1 --micro-batches 1 4 8 --ranks 1 --out-dir A
+    python scripts/bench/ab_bench/ab_bench.py --configs ssd_bound --micro-batch-size 4 --micro-batches 1 4 8 --ranks 1 --out-dir B
+    python scripts/bench/saturation_accuracy.py --ab-json A/ab_bench.json B/ab_bench.json [--hardware probe|FILE]
+    python scripts/bench/saturation_accuracy.py --run 1 4 16 --out results/saturation.json   # runs the sweep too (~20 min)
+
+Two predictions of the measured sweep, each engine's saturated tokens/s against the measured one:
+
+* ``python -m ds_greedysnake.plan --saturated`` itself on the runs' ds_config and model over the
+  micro-batch sizes and M that ran (``--micro-batch-sizes``, ``--micro-batches``, ``--json``): a probe of
+  this machine that times the layers at those micro-batch sizes, and the planner's own choice of
+  greedysnake's split and placement under the host budget. This is the issue's quantity. With
+  ``--ab-json``, one call over every size, after all of them ran; with ``--run``, one call per size right
+  after that size's runs, its points merged and reduced again (this machine's speed drifts: the same
+  run measured 1033-1047 tokens/s at 02:00-02:30 and 1197 at 02:45 on 2026-12-02).
+* every one-rank run predicted with the configuration it ran (``scripts/bench/planner_accuracy.py``: one probe
+  per JSON), which tells a wrong model from a wrong choice.
+
+The measured points and the second prediction go through the same reduction as ``--saturated``
+(``ds_greedysnake.planner.saturation.saturation_of``): the best tokens/s per global batch, the plateau
+(the best of the sweep) and the saturation point (the smallest global batch within 95% of it). Prints
+the curves, each engine's predicted / measured plateau, and exits with status 1 when one of either
+prediction is outside 0.8-1.2. A benchmark, never a test: the machine's rates drift between runs
+(docs/planner.md).
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "scripts", "bench"))
+
+TOLERANCE = 0.2
+
+
+def points_of(report: dict, rows: list):
+    """(measured, predicted) SweepPoints of the one-rank runs of ``report``, in the order of ``rows``."""
+    from ds_greedysnake.planner.saturation import SweepPoint
+    runs = [run for run in report["runs"] if run.get("world_size", 1) == 1]
+    measured, predicted = [], []
+    for run, row in zip(runs, rows):
+        assert (run["engine"], run["micro_batches"]) == (row["engine"], row["micro_batches"])
+        tokens = run["tokens_per_step"]
+        for target, seconds in ((measured, row["measured_seconds"]), (predicted, row["predicted_seconds"])):
+            target.append(SweepPoint(run["engine"], run["micro_batch_size"], run["micro_batches"], 1, tokens / seconds,
+                                     seconds, row["binding"] if target is predicted else ""))
+    return measured, predicted
+
+
+def compare(measured: list, predicted: list) -> dict:
+    from ds_greedysnake.planner.saturation import saturation_of
+    result = {}
+    for engine in sorted({point.engine for point in measured}):
+        curves = {}
+        for label, points in (("measured", measured), ("predicted", predicted)):
+            curve, plateau, knee = saturation_of([p for p in points if p.engine == engine])
+            curves[label] = {"curve": [p.to_dict() for p in curve], "plateau": plateau.to_dict(),
+                             "saturation_point": knee.to_dict()}
+        curves["plateau_ratio"] = (curves["predicted"]["plateau"]["tokens_per_second"]
+                                   / curves["measured"]["plateau"]["tokens_per_second"])
+        result[engine] = curves
+    return result
+
+
+def markdown(result: dict) -> str:
+    lines = []
+    for engine, curves in result.items():
+        predicted = {p["global_batch"]: p for p in curves["predicted"]["curve"]}
+        lines += [f"\n{engine}:", "| global batch | measured: micro-batch x M, tokens/s | predicted: micro-batch x M, "
+                  "tokens/s (binds) | predicted / measured |", "|---|---|---|---|"]
+        for point in curves["measured"]["curve"]:
+            other = predicted[point["global_batch"]]
+            lines.append(f"| {point['global_batch']} | {point['micro_batch_size']} x {point['micro_batches']}, "
+                         f"{point['tokens_per_second']:.1f} | {other['micro_batch_size']} x {other['micro_batches']}, "
+                         f"{other['tokens_per_second']:.1f} ({other['binding']}) | "
+                         f"{other['tokens_per_second'] / point['tokens_per_second']:.2f} |")
+        m, p = curves["measured"], curves["predicted"]
+        lines.append(f"saturated: measured {m['plateau']['tokens_per_second']:.1f} tokens/s (micro-batch "
+                     f"{m['plateau']['micro_batch_size']} x M={m['plateau']['micro_batches']}; saturation point: "
+                     f"global batch {m['saturation_point']['global_batch']}), predicted "
+                     f"{p['plateau']['tokens_per_second']:.1f} (micro-batch {p['plateau']['micro_batch_size']} x "
+                     f"M={p['plateau']['micro_batches']}; saturation point: global batch "
+                     f"{p['saturation_point']['global_batch']}): predicted / measured {curves['plateau_ratio']:.2f}")
+    if {"greedysnake", "zero_infinity"} <= set(result):
+        ratio = {label: result["greedysnake"][label]["plateau"]["tokens_per_second"]
+                 / result["zero_infinity"][label]["plateau"]["tokens_per_second"] for label in ("measured", "predicted")}
+        lines.append(f"\nsaturated ratio greedysnake / ZeRO-Infinity: measured {ratio['measured']:.2f}x, "
+                     f"predicted {ratio['predicted']:.2f}x")
+    return "\n".join(lines)
+
+
+def plan_saturated(reports: list, nvme_path: str) -> dict:
+    """``python -m ds_greedysnake.plan --saturated --json`` on the runs' ds_config and model, over the
+    micro-batch sizes and M that ran; its JSON."""
+    runs = [run for report in reports for run in report["runs"] if run.get("world_size", 1) == 1]
+    model = lambda report, run: {key: value for key, value in report["configs"][run["config"]].items()  # noqa: E731
+                                 if key != "micro_batch_size"}
+    spec = model(reports[0], runs[0])
+    if any(model(report, run) != spec for report in reports for run in report["runs"]):
+        raise SystemExit("the JSONs ran different models: one --saturated sweep covers one model")
+    ds_config = dict(next(run for run in runs if run["engine"] == "greedysnake")["ds_config"])
+    layers = (f"blocks={spec['layers']},hidden={spec['hidden']},heads={spec['heads']},vocab={spec['vocab']},"
+              f"seq_len={spec['seq_len']}")
+    sizes = sorted({run["micro_batch_size"] for run in runs})
+    counts = sorted({run["micro_batches"] for run in runs})
+    os.makedirs(nvme_path, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
+        json.dump(ds_config, handle)
+    command = [sys.executable, "-m", "ds_greedysnake.plan", "--config", handle.name, "--layers", layers, "--saturated",
+               "--micro-batch-sizes", *map(str, sizes), "--micro-batches", *map(str, counts), "--json",
+               "--nvme-path", nvme_path]
+    print("$ " + " ".join(command), flush=True)
+    try:
+        done = subprocess.run(command, cwd=REPO, stdout=subprocess.PIPE, text=True, check=True)
+    finally:
+        os.unlink(handle.name)
+    return json.loads(done.stdout)
+
+
+def against_plan(plan: dict, result: dict) -> dict:
+    """engine -> the --saturated sweep's plateau and saturation point against the measured ones."""
+    compared = {}
+    for engine, saturation in plan["saturations"].items():
+        measured = result[engine]["measured"]
+        compared[engine] = {"plan_plateau": saturation["plateau"], "plan_saturation_point": saturation["saturation_point"],
+                            "plan_curve": saturation["curve"],
+                            "plateau_ratio": saturation["plateau"]["tokens_per_second"]
+                            / measured["plateau"]["tokens_per_second"]}
+    return compared
+
+
+def plan_markdown(compared: dict, result: dict) -> str:
+    lines = ["\nthe --saturated sweep (the planner's own greedysnake split and placement; one probe per call):",
+             "| engine | measured saturated tokens/s (micro-batch x M; saturation point) | --saturated predicted "
+             "(micro-batch x M; saturation point) | predicted / measured |", "|---|---|---|---|"]
+    for engine, entry in compared.items():
+        m, mk = result[engine]["measured"]["plateau"], result[engine]["measured"]["saturation_point"]
+        p, pk = entry["plan_plateau"], entry["plan_saturation_point"]
+        lines.append(f"| {engine} | {m['tokens_per_second']:.1f} ({m['micro_batch_size']} x {m['micro_batches']}; "
+                     f"global batch {mk['global_batch']}) | {p['tokens_per_second']:.1f} ({p['micro_batch_size']} x "
+                     f"{p['micro_batches']}; global batch {pk['global_batch']}) | {entry['plateau_ratio']:.2f} |")
+    if len(compared) == 2:
+        tokens = lambda point: point["tokens_per_second"]  # noqa: E731
+        measured = tokens(result["greedysnake"]["measured"]["plateau"]) / tokens(result["zero_infinity"]["measured"]["plateau"])
+        planned = tokens(compared["greedysnake"]["plan_plateau"]) / tokens(compared["zero_infinity"]["plan_plateau"])
+        lines.append(f"saturated ratio greedysnake / ZeRO-Infinity: measured {measured:.2f}x, --saturated {planned:.2f}x")
+    return "\n".join(lines)
+
+
+AB_ARGS = ("--quick --configs ssd_bound --hidden 512 --layers 8 --seq-len 32 --ranks 1 --warmup 1 --steps 3 "
+           "--no-plot --no-floors")
+
+
+def run_ab_bench(size: int, args) -> str:
+    """One ab_bench invocation at micro-batch size ``size`` over ``--micro-batches``; its JSON's path."""
+    out = os.path.join(args.out_dir, f"mbs{size}")
+    command = [sys.executable, os.path.join(REPO, "scripts", "bench", "ab_bench", "ab_bench.py"), *args.ab_args.split(),
+               "--micro-batch-size", str(size), "--micro-batches", *map(str, args.micro_batches), "--out-dir", out]
+    print("$ " + " ".join(command), flush=True)
+    subprocess.run(command, cwd=REPO, check=True, stdout=subprocess.DEVNULL)  # each run's log: out/runs/
+    return os.path.join(out, "ab_bench.json")
+
+
+def merged_plan(plans: list) -> dict:
+    """One --saturated result from several (one per micro-batch size, each probed right after its runs):
+    every point of each, reduced again as the sweep reduces its own."""
+    from ds_greedysnake.planner.saturation import SweepPoint, saturation_of
+    merged = {"per_size": plans, "saturations": {}}
+    for engine in plans[0]["saturations"]:
+        points = [point for plan in plans for point in plan["saturations"][engine]["points"]]
+        curve, plateau, knee = saturation_of([SweepPoint(p["engine"], p["micro_batch_size"], p["micro_batches"], p["ranks"],
+                                                         p["tokens_per_second"], p["seconds"], p["binding"])
+                                              for p in points])
+        merged["saturations"][engine] = {"plateau": plateau.to_dict(), "saturation_point": knee.to_dict(),
+                                         "curve": [p.to_dict() for p in curve], "points": points}
+    return merged
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--ab-json", nargs="+", help="ab_bench.json files (one micro-batch size each), already run")
+    source.add_argument("--run", type=int, nargs="+", metavar="MBS",
+                        help="run the sweep here: one ab_bench per micro-batch size, each predicted right after it "
+                             "ran (this machine's speed drifts by 10-20%% within half an hour)")
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="with --run: the M")
+    parser.add_argument("--ab-args", default=AB_ARGS, help="with --run: ab_bench's other arguments")
+    parser.add_argument("--out-dir", default=os.path.join(REPO, "results", "saturation"), help="with --run")
+    parser.add_argument("--hardware", default="probe", help="'probe' (once per JSON) or a hardware JSON file")
+    parser.add_argument("--nvme-path", default=os.path.join(REPO, ".nvme_swap", "planner_probe"))
+    parser.add_argument("--no-plan", action="store_true", help="skip the --saturated sweep (per-run predictions only)")
+    parser.add_argument("--out", default=None, help="write the curves, rows and probes as JSON here")
+    args = parser.parse_args(argv)
+    from planner_accuracy import markdown as rows_markdown, predict_runs
+    with_plan = args.hardware == "probe" and not args.no_plan
+    measured, predicted, per_json, plans = [], [], [], []
+
+    def predict(path: str, report: dict) -> None:
+        rows, hardware = predict_runs(report, args.hardware, args.nvme_path)
+        print(f"{path}:\n{rows_markdown(rows)}", flush=True)
+        more_measured, more_predicted = points_of(report, rows)
+        measured.extend(more_measured)
+        predicted.extend(more_predicted)
+        per_json.append({"ab_json": os.path.abspath(path), "rows": rows, "hardware": hardware})
+
+    if args.run:
+        for size in args.run:  # each size's predictions probe the machine right after its runs
+            path = run_ab_bench(size, args)
+            with open(path) as handle:
+                report = json.load(handle)
+            if with_plan:
+                plans.append(plan_saturated([report], args.nvme_path))
+            predict(path, report)
+        plan = merged_plan(plans) if plans else None
+    else:
+        reports = []
+        for path in args.ab_json:
+            with open(path) as handle:
+                reports.append(json.load(handle))
+        plan = plan_saturated(reports, args.nvme_path) if with_plan else None
+        for path, report in zip(args.ab_json, reports):
+            predict(path, report)
+    result = compare(measured, predicted)
+    print(markdown(result))
+    within = lambda ratio: 1 - TOLERANCE <= ratio <= 1 + TOLERANCE  # noqa: E731
+    verdict = all(within(curves["plateau_ratio"]) for curves in result.values())
+    compared = None
+    if plan is not None:
+        compared = against_plan(plan, result)
+        print(plan_markdown(compared, result))
+        verdict = verdict and all(within(entry["plateau_ratio"]) for entry in compared.values())
+    print(f"\nevery engine's predicted saturated tokens/s within {100 * TOLERANCE:.0f}% of the measured "
+          f"({'--saturated and ' if plan is not None else ''}per run): {'yes' if verdict else 'NO'}")
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump({"engines": result, "runs": per_json, "plan_saturated": plan, "against_plan": compared},
+                      handle, indent=1)
+    sys.stdout.flush()
+    os._exit(0 if verdict else 1)  # DeepSpeed's native threads have aborted at interpreter exit here
+
+
+if __name__ == "__main__":
+    main()
