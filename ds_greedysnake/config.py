@@ -10,7 +10,7 @@ import os
 import tempfile
 from typing import Any, Dict, Optional
 
-from pydantic import Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 
 GREEDYSNAKE_KEY = "greedysnake"
@@ -22,6 +22,10 @@ class GreedySnakeConfigError(ValueError):
 
 class GreedySnakeConfig(DeepSpeedConfigModel):
     """Settings of the vertical (GreedySnake) engine, read from ``ds_config["greedysnake"]``."""
+
+    # Parsed once, at initialize, and shared by every module through ``settings.Settings``: nobody may
+    # change a field under the others (``Settings.with_greedysnake`` makes a new block instead).
+    model_config = ConfigDict(frozen=True)
 
     enabled: bool = False
     """Run the vertical engine. False (or no block) gives DeepSpeed's own ZeRO-Infinity engine,

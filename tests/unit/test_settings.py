@@ -151,6 +151,21 @@ def test_settings_keep_each_readers_defaults():
     assert given.greedysnake.activation_host_memory_mb == 4096  # frozen: a new object, the old one unchanged
 
 
+def test_the_settings_are_frozen_down_to_the_greedysnake_block():
+    """One parsed copy shared by every module: no module can change a value under the others."""
+    import dataclasses
+
+    settings = settings_from_ds_config({"greedysnake": {"enabled": True, "activation_host_memory_mb": 64}})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.gradient_clipping = 0.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.aio.block_size = 1
+    with pytest.raises(ValueError, match="frozen"):
+        settings.greedysnake.activation_host_memory_mb = 1.0
+    changed = settings.with_greedysnake(activation_host_memory_mb=1.0)
+    assert (changed.greedysnake.activation_host_memory_mb, settings.greedysnake.activation_host_memory_mb) == (1.0, 64)
+
+
 def test_bad_input_fails_as_the_block_parser_does():
     with pytest.raises(config_module.GreedySnakeConfigError, match="alpah"):
         settings_from_ds_config({"greedysnake": {"alpah": 1}})
