@@ -19,6 +19,15 @@ fi
 echo "ds_greedysnake set-up: building DeepSpeed $VERSION with its native ops (async_io, pin_memory, cpu_adam," \
      "shm comm) compiled in: a few minutes of every core, once (log: $BUILD_LOG)"
 mkdir -p "$(dirname "$BUILD_LOG")"
+# DeepSpeed 0.19.8's build parses each TORCH_CUDA_ARCH_LIST entry as numbers: torch's "9.0a" (which a GPU image
+# may set) aborts it with a ValueError; it gets the numeric list instead.
+if [ -n "${TORCH_CUDA_ARCH_LIST:-}" ]; then
+    arch_list="$("$VENV/bin/python" "$REPO/scripts/native_ops.py" arch-list "$TORCH_CUDA_ARCH_LIST")"
+    if [ "$arch_list" != "$TORCH_CUDA_ARCH_LIST" ]; then
+        echo "ds_greedysnake set-up: TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST is read as $arch_list for DeepSpeed's build"
+        export TORCH_CUDA_ARCH_LIST="$arch_list"
+    fi
+fi
 started=$SECONDS
 # DS_BUILD_OPS=0 and one variable per op: only the ops greedysnake and ZeRO-Infinity load.
 # DS_ENABLE_NINJA: compile each op's files in parallel (MAX_JOBS), not one by one.

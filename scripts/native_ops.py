@@ -6,6 +6,7 @@
     python scripts/native_ops.py locks          # torch-extensions build locks: stale ones removed, live ones named
     python scripts/native_ops.py worker         # the optimizer worker's CPU ops, built when DeepSpeed's install was
                                                 # made for a GPU (nothing to do on a CPU machine)
+    python scripts/native_ops.py arch-list 9.0a     # TORCH_CUDA_ARCH_LIST as DeepSpeed's op builds read it (9.0)
     python scripts/native_ops.py build --accelerator cpu [--ops cpu_adam ...]
                                                 # build the ops for an accelerator the install was not made for
 
@@ -194,6 +195,7 @@ def main() -> int:
     builder = commands.add_parser("build")
     builder.add_argument("--accelerator", required=True, help="DeepSpeed's accelerator name: cpu, cuda")
     builder.add_argument("--ops", nargs="+", help="default: every native op the accelerator has")
+    commands.add_parser("arch-list").add_argument("value", help="a TORCH_CUDA_ARCH_LIST, e.g. 9.0a")
     here = commands.add_parser("build-here")  # build()'s own processes
     here.add_argument("accelerator")
     here.add_argument("ops", nargs="+")
@@ -206,6 +208,10 @@ def main() -> int:
         return build_here(args.accelerator, args.ops)
     if args.command == "worker":
         return worker()
+    if args.command == "arch-list":  # install_deepspeed.sh: the list as DeepSpeed's install-time build reads it
+        from ds_greedysnake.deepspeed_compat import builder_arch_list
+        print(builder_arch_list(args.value))
+        return 0
     return report() if args.command == "report" else locks()
 
 

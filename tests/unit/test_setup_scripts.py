@@ -3,6 +3,7 @@ machine (no libaio-dev) must get it installed, as root and through sudo otherwis
 import os
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -52,14 +53,20 @@ BUILD_VARIABLES = ("DS_BUILD_OPS", "DS_BUILD_AIO", "DS_BUILD_PIN_MEMORY", "DS_BU
                    "DS_ENABLE_NINJA")
 
 
-def _run_build(tmp_path: Path, prebuilt: bool, build_succeeds: bool = True):
+def _run_build(tmp_path: Path, prebuilt: bool, build_succeeds: bool = True, arch_list=None):
     venv_bin, log = tmp_path / "venv" / "bin", tmp_path / "calls.log"
     venv_bin.mkdir(parents=True)
-    _stand_in(venv_bin, "python", f'echo "python $*" >> {log}; exit {0 if prebuilt else 1}')
+    # The stand-in answers native_ops.py's arch-list as the real one does for "8.0;9.0a" (its own test below).
+    _stand_in(venv_bin, "python", f'echo "python $*" >> {log}; '
+                                  f'if [ "$2" = arch-list ]; then echo "8.0;9.0"; exit 0; fi; exit {0 if prebuilt else 1}')
     variables = " ".join(f"{name}=${{{name}:-}}" for name in BUILD_VARIABLES)
     _stand_in(venv_bin, "pip", f'echo "pip $*" >> {log}; echo "{variables} LDFLAGS=$LDFLAGS" >> {log}; '
+                               f'echo "TORCH_CUDA_ARCH_LIST=${{TORCH_CUDA_ARCH_LIST:-}}" >> {log}; '
                                f'echo "compiling"; echo "error: the last line"; exit {0 if build_succeeds else 1}')
-    env = {key: value for key, value in os.environ.items() if key not in BUILD_VARIABLES + ("LDFLAGS",)}
+    env = {key: value for key, value in os.environ.items()
+           if key not in BUILD_VARIABLES + ("LDFLAGS", "TORCH_CUDA_ARCH_LIST")}
+    if arch_list is not None:
+        env["TORCH_CUDA_ARCH_LIST"] = arch_list
     build_log = tmp_path / "build.log"
     result = subprocess.run(["bash", str(BUILD_SCRIPT), str(tmp_path / "venv"), str(build_log)], env=env,
                             capture_output=True, text=True)
@@ -95,3 +102,19 @@ def test_a_failed_build_fails_set_up_with_the_end_of_its_log(tmp_path):
     result, _, build_log = _run_build(tmp_path, prebuilt=False, build_succeeds=False)
     assert result.returncode != 0
     assert "error: the last line" in result.stderr and f"full log: {build_log}" in result.stderr
+
+
+def test_the_build_gets_an_arch_list_deepspeed_can_read(tmp_path):
+    """A GPU image's TORCH_CUDA_ARCH_LIST=9.0a aborts DeepSpeed 0.19.8's op build (the H200's, 2026-12-04):
+    set-up hands the build the numeric list and says so."""
+    result, calls, _ = _run_build(tmp_path, prebuilt=False, arch_list="8.0;9.0a")
+    assert result.returncode == 0, result.stderr
+    assert calls[1] == f"python {SCRIPT.parent / 'native_ops.py'} arch-list 8.0;9.0a"
+    assert "TORCH_CUDA_ARCH_LIST=8.0;9.0" in calls
+    assert "TORCH_CUDA_ARCH_LIST=8.0;9.0a is read as 8.0;9.0" in result.stdout
+
+
+def test_native_ops_arch_list_reads_as_deepspeed_does():
+    result = subprocess.run([sys.executable, str(SCRIPT.parent / "native_ops.py"), "arch-list", "8.0;9.0a"],
+                            capture_output=True, text=True, check=True)
+    assert result.stdout.strip().splitlines()[-1] == "8.0;9.0"
