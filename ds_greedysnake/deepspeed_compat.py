@@ -81,6 +81,20 @@ def default_gradient_clipping() -> float:
     return float(ds_constants.GRADIENT_CLIPPING_DEFAULT)
 
 
+# The zero_optimization fields the planner models ZeRO-Infinity with, by DeepSpeed's config field name.
+ZERO_PLANNER_FIELDS = ("prefetch_bucket_size", "max_reuse_distance", "param_persistence_threshold",
+                       "max_live_parameters", "reduce_bucket_size")
+
+
+def zero_planner_defaults() -> Dict[str, Tuple[str, float]]:
+    """For each of ``ZERO_PLANNER_FIELDS``: its ds_config key (``stage3_...`` where DeepSpeed aliases it) and
+    the default DeepSpeed's own ZeRO config model gives it when the key is absent."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    fields = DeepSpeedZeroConfig.model_fields
+    return {name: (fields[name].alias or name, float(fields[name].default)) for name in ZERO_PLANNER_FIELDS}
+
+
 def parsed_ds_config(ds_config: Dict[str, Any], mpu=None) -> DeepSpeedConfig:
     """DeepSpeed's parsed config object, which its engine constructor takes beside the dict."""
     return DeepSpeedConfig(ds_config, mpu)

@@ -16,7 +16,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from .config import GREEDYSNAKE_KEY, GreedySnakeConfig, GreedySnakeConfigError, parse_greedysnake_block
-from .deepspeed_compat import AioSettings, aio_settings, default_gradient_clipping
+from .deepspeed_compat import AioSettings, aio_settings, default_gradient_clipping, zero_planner_defaults
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,8 @@ class OptimizerBlock:
 class ZeroSettings:
     """What greedysnake reads of ``zero_optimization`` besides the checks at initialize
     (``config.check_ds_config``): the planner's ZeRO-Infinity baseline (DeepSpeed 0.19.8's defaults)
-    and the folder its probe measures."""
+    and the folder its probe measures. The numbers' defaults are DeepSpeed's own (its ZeRO config model, read
+    by ``deepspeed_compat.zero_planner_defaults``; these literals are 0.19.8's, for a ZeroSettings built by hand)."""
     nvme_path: Optional[str] = None                  # offload_param.nvme_path as written (None: not set)
     prefetch_bucket_size: float = 5e7                # stage3_prefetch_bucket_size
     max_reuse_distance: float = 1e9                  # stage3_max_reuse_distance
@@ -100,13 +101,9 @@ def settings_from_ds_config(ds_config: Dict[str, Any]) -> Settings:
         gradient_clipping=_number(ds_config.get("gradient_clipping", default_gradient_clipping()) or 0.0,
                                   "gradient_clipping"),
         optimizer=OptimizerBlock(optimizer.get("type"), tuple(copy.deepcopy(optimizer.get("params") or {}).items())),
-        zero=ZeroSettings(
-            nvme_path=offload.get("nvme_path"),
-            prefetch_bucket_size=_zero_number(zero, "stage3_prefetch_bucket_size", 5e7),
-            max_reuse_distance=_zero_number(zero, "stage3_max_reuse_distance", 1e9),
-            param_persistence_threshold=_zero_number(zero, "stage3_param_persistence_threshold", 1e5),
-            max_live_parameters=_zero_number(zero, "stage3_max_live_parameters", 1e9),
-            reduce_bucket_size=_zero_number(zero, "reduce_bucket_size", 5e8)))
+        zero=ZeroSettings(nvme_path=offload.get("nvme_path"),
+                          **{name: _zero_number(zero, key, default)
+                             for name, (key, default) in zero_planner_defaults().items()}))
 
 
 def bf16_enabled(ds_config: Dict[str, Any]) -> bool:

@@ -166,6 +166,20 @@ def test_the_settings_are_frozen_down_to_the_greedysnake_block():
     assert (changed.greedysnake.activation_host_memory_mb, settings.greedysnake.activation_host_memory_mb) == (1.0, 64)
 
 
+def test_the_zero_numbers_are_deepspeeds_own():
+    """Absent, each ZeRO number the planner reads is what DeepSpeed's ZeRO config model parses; written, it
+    is the written value (under DeepSpeed's stage3_ key)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    parsed = DeepSpeedZeroConfig(stage=3)
+    absent = settings_from_ds_config({}).zero
+    for name in deepspeed_compat.ZERO_PLANNER_FIELDS:
+        assert getattr(absent, name) == float(getattr(parsed, name)), name
+    written = settings_from_ds_config({"zero_optimization": {"stage3_prefetch_bucket_size": 123,
+                                                             "reduce_bucket_size": 456}}).zero
+    assert (written.prefetch_bucket_size, written.reduce_bucket_size) == (123.0, 456.0)
+
+
 def test_bad_input_fails_as_the_block_parser_does():
     with pytest.raises(config_module.GreedySnakeConfigError, match="alpah"):
         settings_from_ds_config({"greedysnake": {"alpah": 1}})
