@@ -435,11 +435,11 @@ def build_for_set_up(names: Sequence[str]) -> List[prebuilt_ops.BuiltOp]:
     saved = os.environ.get("TORCH_EXTENSIONS_DIR")
     os.environ["TORCH_EXTENSIONS_DIR"] = target  # torch reads it at each build
     saved_arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST")
-    if saved_arch_list is not None and builder_arch_list(saved_arch_list) != saved_arch_list:
-        os.environ["TORCH_CUDA_ARCH_LIST"] = builder_arch_list(saved_arch_list)
-        logger.warning(f"ds_greedysnake: TORCH_CUDA_ARCH_LIST={saved_arch_list!r} is read as "
-                       f"{os.environ['TORCH_CUDA_ARCH_LIST']!r} for DeepSpeed's op build (its parser takes no "
-                       "architecture suffix such as 9.0a)")
+    readable = None if saved_arch_list is None else builder_arch_list(saved_arch_list)
+    if readable != saved_arch_list:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = readable
+        logger.warning(f"ds_greedysnake: TORCH_CUDA_ARCH_LIST={saved_arch_list!r} is read as {readable!r} for "
+                       "DeepSpeed's op build (its parser takes no architecture suffix such as 9.0a)")
     built = []
     try:
         for name in names:

@@ -35,14 +35,14 @@ class OptimizerBlock:
 class ZeroSettings:
     """What greedysnake reads of ``zero_optimization`` besides the checks at initialize
     (``config.check_ds_config``): the planner's ZeRO-Infinity baseline (DeepSpeed 0.19.8's defaults)
-    and the folder its probe measures. The numbers' defaults are DeepSpeed's own (its ZeRO config model, read
-    by ``deepspeed_compat.zero_planner_defaults``; these literals are 0.19.8's, for a ZeroSettings built by hand)."""
-    nvme_path: Optional[str] = None                  # offload_param.nvme_path as written (None: not set)
-    prefetch_bucket_size: float = 5e7                # stage3_prefetch_bucket_size
-    max_reuse_distance: float = 1e9                  # stage3_max_reuse_distance
-    param_persistence_threshold: float = 1e5         # stage3_param_persistence_threshold
-    max_live_parameters: float = 1e9                 # stage3_max_live_parameters
-    reduce_bucket_size: float = 5e8                  # reduce_bucket_size
+    and the folder its probe measures. Where a key is absent, the number is DeepSpeed's own default (its ZeRO
+    config model, read by ``deepspeed_compat.zero_planner_defaults``)."""
+    nvme_path: Optional[str]               # offload_param.nvme_path as written (None: not set)
+    prefetch_bucket_size: float            # stage3_prefetch_bucket_size
+    max_reuse_distance: float              # stage3_max_reuse_distance
+    param_persistence_threshold: float     # stage3_param_persistence_threshold
+    max_live_parameters: float             # stage3_max_live_parameters
+    reduce_bucket_size: float              # reduce_bucket_size
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Optional
 
 from ..config import GreedySnakeConfigError
 from .errors import PlannerError
-from .hardware import load_hardware, save_hardware
+from .hardware import load_hardware, read_json, save_hardware
 from .plan_config import PlanRequest, budget_bytes, plan_for_settings, workload_from_settings
 from .search import GIB
 from .shapes import lora_numels, named_shape, parse_layers
@@ -88,13 +88,7 @@ SATURATED_LAYER_REPEATS = 25
 
 def _load_settings(path: str) -> Settings:
     """The --config file parsed as ``initialize`` parses it (``settings.settings_from_ds_config``)."""
-    try:
-        with open(path) as handle:
-            ds_config = json.load(handle)
-    except OSError as error:
-        raise PlannerError(f"cannot read --config {path}: {error.strerror}") from None
-    except json.JSONDecodeError as error:
-        raise PlannerError(f"--config {path} is not valid JSON: {error}") from None
+    ds_config = read_json(path, "--config")
     try:
         return settings_from_ds_config(ds_config)
     except GreedySnakeConfigError as error:

@@ -160,15 +160,19 @@ def hardware_from_dict(data: Dict[str, Any], where: str = "hardware") -> Hardwar
     return Hardware(**values)
 
 
-def load_hardware(path: str) -> Hardware:
+def read_json(path: str, what: str):
+    """The JSON in ``path``; ``what`` names the file in the error (a PlannerError) if it cannot be read."""
     try:
         with open(path) as handle:
-            data = json.load(handle)
+            return json.load(handle)
     except OSError as error:
-        raise PlannerError(f"cannot read hardware file {path}: {error.strerror}") from None
+        raise PlannerError(f"cannot read {what} {path}: {error.strerror}") from None
     except json.JSONDecodeError as error:
-        raise PlannerError(f"hardware file {path} is not valid JSON: {error}") from None
-    return hardware_from_dict(data, where=f"hardware file {path}")
+        raise PlannerError(f"{what} {path} is not valid JSON: {error}") from None
+
+
+def load_hardware(path: str) -> Hardware:
+    return hardware_from_dict(read_json(path, "hardware file"), where=f"hardware file {path}")
 
 
 def save_hardware(hardware: Hardware, path: str) -> None:

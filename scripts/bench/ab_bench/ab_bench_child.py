@@ -48,22 +48,7 @@ def run_engine(spec: dict) -> dict:
     gpt = gpt_config(model_spec)
     torch.manual_seed(spec["seed"])
     lora = bool(model_spec.get("lora_rank"))
-    if engine_name == "zero_infinity" and lora:
-        # No activation checkpointing here: ZeRO-Infinity 0.19.8 fails with it over a frozen base ("Not enough
-        # buffers 0 for swapping 1"), so this baseline keeps every activation instead of recomputing.
-        from deepspeed.accelerator import get_accelerator
-        # PEFT imported first: zero.Init patches torch.Tensor.__new__, and torch._dynamo (which PEFT imports)
-        # refuses to load under that patch.
-        import peft  # noqa: F401
-        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
-        same = add_lora(build_gpt(gpt), model_spec)  # what greedysnake trains, from the same seed
-        with deepspeed.zero.Init(config_dict_or_path=ds):
-            model = add_lora(build_gpt(gpt), model_spec)
-        # PEFT initialises an adapter after creating it (lora_B zeroed), which under zero.Init reaches only an
-        # empty partition: copy the same model's values in, so that both engines train one model.
-        _copy_into_partitioned(model, same)
-        del same
-    elif engine_name == "zero_infinity":
+    if engine_name == "zero_infinity":
         class CheckpointedGPT(nn.Sequential):
             """[embedding, blocks..., head] with DeepSpeed's activation checkpointing around each block,
             so the baseline recomputes in backward as greedysnake does. torch.utils.checkpoint gives
@@ -76,14 +61,21 @@ def run_engine(spec: dict) -> dict:
                 return self[-1](hidden)
 
         from deepspeed.accelerator import get_accelerator
+        if lora:
+            # PEFT imported first: zero.Init patches torch.Tensor.__new__, and torch._dynamo (which PEFT imports)
+            # refuses to load under that patch.
+            import peft  # noqa: F401
         deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
-        deepspeed.checkpointing.configure(None, deepspeed_config=ds)
-        same = build_gpt(gpt)  # what greedysnake trains, from the same seed, on the host's generator
+        if not lora:
+            # With LoRA no activation checkpointing: ZeRO-Infinity 0.19.8 fails with it over a frozen base ("Not
+            # enough buffers 0 for swapping 1"), so that baseline keeps every activation instead of recomputing.
+            deepspeed.checkpointing.configure(None, deepspeed_config=ds)
+        same = add_lora(build_gpt(gpt), model_spec)  # what greedysnake trains, from the same seed, on the host
         with deepspeed.zero.Init(config_dict_or_path=ds):
-            model = CheckpointedGPT(*build_gpt(gpt))
-        # On a GPU zero.Init creates each parameter on the device, drawn from the device's generator, so the
-        # two engines started from different weights (the H200's first A/B, 2026-12-04: step-1 losses 7.750
-        # and 7.838): copy the host model's values in, as for LoRA above.
+            model = add_lora(build_gpt(gpt), model_spec) if lora else CheckpointedGPT(*build_gpt(gpt))
+        # Both engines train one model: copy the host-built values in. Under zero.Init PEFT's initialisation of
+        # an adapter (lora_B zeroed) reaches only an empty partition, and on a GPU every parameter is drawn from
+        # the device's generator (the H200's first A/B, 2026-12-04: step-1 losses 7.750 and 7.838).
         _copy_into_partitioned(model, same)
         del same
     else:
