@@ -15,7 +15,7 @@ import re
 import resource
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
@@ -71,6 +71,12 @@ def check_deepspeed_internals() -> None:
     for op_name in ("adam_update", "create_adam"):
         if not hasattr(placeholder.ds_opt_adam, op_name):
             raise DeepSpeedInternalsError(f"DeepSpeed's cpu_adam op has no {op_name}")
+    import importlib
+    for name, (module_name, class_name, method) in _ZERO_PROFILED.items():  # the planner's ZeRO-3 profile
+        if not hasattr(getattr(importlib.import_module(module_name), class_name, None), method):
+            raise DeepSpeedInternalsError(
+                f"DeepSpeed {deepspeed.__version__} has no {class_name}.{method} (the planner's ZeRO-3 profile times "
+                f"it as {name!r}); ds_greedysnake was checked against DeepSpeed {CHECKED_DEEPSPEED_VERSION}")
 
 
 # ----------------------------------------------------------------------------- engine construction
@@ -83,7 +89,16 @@ def default_gradient_clipping() -> float:
 
 # The zero_optimization fields the planner models ZeRO-Infinity with, by DeepSpeed's config field name.
 ZERO_PLANNER_FIELDS = ("prefetch_bucket_size", "max_reuse_distance", "param_persistence_threshold",
-                       "max_live_parameters", "reduce_bucket_size")
+                       "max_live_parameters", "reduce_bucket_size", "sub_group_size")
+
+
+def zero_min_swap_bytes(aio: "AioSettings") -> int:
+    """The smallest tensor, in bytes, ZeRO-3's swappers put on NVMe (``swappable_tensor``: at least DeepSpeed's
+    MIN_AIO_BYTES, 1 MiB, and the aio block); smaller parameter tensors and optimizer sub-groups stay in host
+    memory."""
+    from deepspeed.runtime.swap_tensor.utils import MIN_AIO_BYTES
+
+    return max(MIN_AIO_BYTES, aio.block_size)
 
 
 def zero_planner_defaults() -> Dict[str, Tuple[str, float]]:
@@ -599,6 +614,8 @@ class CpuAdamKernel:
 class SwapReadCounter:
     reads: int = 0
     bytes: int = 0
+    sizes: List[int] = field(default_factory=list)   # each read's bytes
+    call_bytes: List[int] = field(default_factory=list)  # each swap_in_tensors call's bytes (one swap_in's)
 
 
 @contextlib.contextmanager
@@ -609,7 +626,10 @@ def count_zero_param_swap_reads() -> Iterator[SwapReadCounter]:
 
     def counting_swap_in(handle, buffers, paths):
         counter.reads += len(buffers)
-        counter.bytes += sum(buffer.numel() * buffer.element_size() for buffer in buffers)
+        sizes = [buffer.numel() * buffer.element_size() for buffer in buffers]
+        counter.bytes += sum(sizes)
+        counter.sizes.extend(sizes)
+        counter.call_bytes.append(sum(sizes))
         return original(handle, buffers, paths)
 
     partitioned_param_swapper.swap_in_tensors = counting_swap_in
@@ -617,6 +637,122 @@ def count_zero_param_swap_reads() -> Iterator[SwapReadCounter]:
         yield counter
     finally:
         partitioned_param_swapper.swap_in_tensors = original
+
+
+# What a profile of ZeRO-Infinity's step times (the planner's terms; docs/planner.md, "The planner on shapes it
+# never ran on"): name ->
+# (the class's module, the class, the method). Inclusive wall seconds: the reduction holds the boundary's
+# gradient write, the optimizer step holds every other optimizer row.
+_ZERO_PROFILED = {
+    "parameter read": ("deepspeed.runtime.swap_tensor.partitioned_param_swapper", "AsyncPartitionedParameterSwapper",
+                       "swap_in"),
+    "parameter read wait": ("deepspeed.runtime.swap_tensor.partitioned_param_swapper",
+                            "AsyncPartitionedParameterSwapper", "synchronize_reads"),
+    "gradient reduction": ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3",
+                           "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads"),
+    "gradient write (boundary)": ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3",
+                                  "_swap_out_offload_fp32_gradients"),
+    "optimizer step": ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "step"),
+    "optimizer state read": ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3",
+                             "_optimizer_states_and_gradient_swap_in"),
+    "Adam": ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "_optimizer_step"),
+    "parameter write": ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3",
+                        "_reassign_or_swap_out_partitioned_parameters"),
+    "optimizer state write": ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3",
+                              "_optimizer_states_and_gradient_swap_out"),
+}
+
+
+@dataclass
+class ZeroProfile:
+    """Wall seconds and calls of each of ``_ZERO_PROFILED``'s methods while the block ran; ``durations``: each
+    call's seconds, in order."""
+    seconds: Dict[str, float]
+    calls: Dict[str, int]
+    durations: Dict[str, List[float]]
+
+
+@contextlib.contextmanager
+def profile_zero_step() -> Iterator[ZeroProfile]:
+    """Time ZeRO-3's parameter swap-ins, gradient reduction and the optimizer step's parts (state reads,
+    Adam, parameter and state writes) while the block runs: the profile the planner's ZeRO-Infinity
+    terms are checked against (scripts/bench/ab_bench). On the CPU accelerator every part but the aio
+    reads in flight is synchronous, so wall seconds are the part's cost."""
+    import importlib
+    import time
+
+    profile = ZeroProfile({name: 0.0 for name in _ZERO_PROFILED}, {name: 0 for name in _ZERO_PROFILED},
+                          {name: [] for name in _ZERO_PROFILED})
+    restore = []
+    for name, (module_name, class_name, method) in _ZERO_PROFILED.items():
+        owner = getattr(importlib.import_module(module_name), class_name)
+        original = getattr(owner, method)
+
+        def timed(*args, _original=original, _name=name, **kwargs):
+            started = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - started
+                profile.seconds[_name] += elapsed
+                profile.calls[_name] += 1
+                profile.durations[_name].append(elapsed)
+
+        setattr(owner, method, timed)
+        restore.append((owner, method, original))
+    try:
+        yield profile
+    finally:
+        for owner, method, original in reversed(restore):
+            setattr(owner, method, original)
+
+
+@contextlib.contextmanager
+def time_engine_phases(engine, seconds: Dict[str, float], micro_batches: int) -> Iterator[None]:
+    """Add to ``seconds`` the wall seconds of a DeepSpeed engine's forwards, backwards and steps while the
+    block runs, the boundary's backward and step (every ``micro_batches``-th: they write the gradients and
+    run the optimizer) under their own names, by wrapping the engine's own methods for the block."""
+    import time
+
+    calls = {"backward": 0, "step": 0}
+
+    def timed(name, original):
+        def run(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                key = name
+                if name in calls:
+                    calls[name] += 1
+                    key = f"{name} (boundary)" if calls[name] % micro_batches == 0 else name
+                seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - started
+        return run
+
+    names = ("forward", "backward", "step")
+    for name in names:
+        setattr(engine, name, timed(name, getattr(engine, name)))
+    try:
+        yield
+    finally:
+        for name in names:
+            delattr(engine, name)
+
+
+def zero_checkpointed_gpt(modules: Sequence[torch.nn.Module]) -> torch.nn.Module:
+    """[embedding, blocks..., head] with DeepSpeed's activation checkpointing around each block, the
+    ZeRO-Infinity baseline that recomputes in backward as greedysnake does (call
+    ``deepspeed.checkpointing.configure`` first). torch.utils.checkpoint gives wrong gradients with NVMe
+    parameters on DeepSpeed 0.19.8 (docs/zero_infinity.md)."""
+
+    class CheckpointedGPT(torch.nn.Sequential):
+        def forward(self, token_ids):
+            hidden = self[0](token_ids)
+            for block in list(self)[1:-1]:
+                hidden = deepspeed.checkpointing.checkpoint(block, hidden)
+            return self[-1](hidden)
+
+    return CheckpointedGPT(*modules)
 
 
 def remove_shm_buffer_at_exit() -> None:
@@ -640,6 +776,18 @@ def remove_shm_buffer_at_exit() -> None:
 
 def accelerator_device() -> torch.device:
     return torch.device(get_accelerator().current_device_name())
+
+
+def zero_swap_buffer(handle, num_bytes: int) -> torch.Tensor:
+    """A uint8 host buffer as ZeRO-3's swappers allocate theirs (partitioned_param_swapper.py and
+    ``SwapBufferManager``: page-locked by the aio handle, on every accelerator but GDS): the planner's probe
+    times ZeRO-3's ops into it. Free it with ``handle.free_cpu_locked_tensor``."""
+    _check_memlock(num_bytes)
+    buffer = handle.new_cpu_locked_tensor(num_bytes, torch.empty(0, dtype=torch.uint8))
+    if buffer.data_ptr() == 0:
+        raise MemoryError(f"DeepSpeed's aio handle could not lock {num_bytes} bytes of host memory (mlock): "
+                          "raise the memlock limit (ulimit -l unlimited)")
+    return buffer
 
 
 def new_locked_buffer(handle, num_bytes: int) -> Optional[torch.Tensor]:

@@ -16,7 +16,8 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from .config import GREEDYSNAKE_KEY, GreedySnakeConfig, GreedySnakeConfigError, parse_greedysnake_block
-from .deepspeed_compat import AioSettings, aio_settings, default_gradient_clipping, zero_planner_defaults
+from .deepspeed_compat import (AioSettings, aio_settings, default_gradient_clipping, zero_min_swap_bytes,
+                               zero_planner_defaults)
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ class ZeroSettings:
     param_persistence_threshold: float     # stage3_param_persistence_threshold
     max_live_parameters: float             # stage3_max_live_parameters
     reduce_bucket_size: float              # reduce_bucket_size
+    sub_group_size: float                  # sub_group_size: the optimizer's swap unit, in elements
+    min_swap_bytes: int                    # tensors (and optimizer sub-groups) smaller stay in host memory
 
 
 @dataclass(frozen=True)
@@ -91,9 +94,10 @@ def settings_from_ds_config(ds_config: Dict[str, Any]) -> Settings:
     zero = ds_config.get("zero_optimization") or {}
     offload = zero.get("offload_param") or {}
     optimizer = ds_config.get("optimizer") or {}
+    aio = aio_settings(ds_config)
     return Settings(
         greedysnake=parse_greedysnake_block(ds_config.get(GREEDYSNAKE_KEY, {})),
-        aio=aio_settings(ds_config),
+        aio=aio,
         bf16=bf16_enabled(ds_config),
         train_batch_size=_optional_int(ds_config, "train_batch_size"),
         train_micro_batch_size_per_gpu=_optional_int(ds_config, "train_micro_batch_size_per_gpu"),
@@ -101,7 +105,7 @@ def settings_from_ds_config(ds_config: Dict[str, Any]) -> Settings:
         gradient_clipping=_number(ds_config.get("gradient_clipping", default_gradient_clipping()) or 0.0,
                                   "gradient_clipping"),
         optimizer=OptimizerBlock(optimizer.get("type"), tuple(copy.deepcopy(optimizer.get("params") or {}).items())),
-        zero=ZeroSettings(nvme_path=offload.get("nvme_path"),
+        zero=ZeroSettings(nvme_path=offload.get("nvme_path"), min_swap_bytes=zero_min_swap_bytes(aio),
                           **{name: _zero_number(zero, key, default)
                              for name, (key, default) in zero_planner_defaults().items()}))
 

@@ -11,7 +11,7 @@ import json
 import os
 import shutil
 import sys
-from typing import Optional
+from typing import Optional, Tuple
 
 from ..config import GreedySnakeConfigError
 from .errors import PlannerError
@@ -47,6 +47,10 @@ def parse_args(argv=None):
     parser.add_argument("--zero-no-recompute", action="store_true",
                         help="the ZeRO-Infinity baseline runs without activation checkpointing "
                              "(as scripts/train.py --baseline does; scripts/bench/ab_bench/ab_bench.py checkpoints)")
+    parser.add_argument("--no-zero-probe", action="store_true",
+                        help="skip running ZeRO-3 itself on four of the model's blocks (20-60 s; zero_probe.py): "
+                             "ZeRO-Infinity's prediction then lacks its per-layer overhead and takes its reduction and "
+                             "Adam from plain rates (docs/planner.md, \"The planner on shapes it never ran on\")")
     parser.add_argument("--nvme-path", default=None, help="folder the probe measures (default: the config's nvme_path)")
     parser.add_argument("--save-hardware", default=None, help="write the probed hardware to this JSON file")
     parser.add_argument("--json", action="store_true", help="print JSON for machines")
@@ -86,16 +90,17 @@ def _stdout_to_stderr_if(enabled: bool):
 SATURATED_LAYER_REPEATS = 25
 
 
-def _load_settings(path: str) -> Settings:
-    """The --config file parsed as ``initialize`` parses it (``settings.settings_from_ds_config``)."""
+def _load_settings(path: str) -> Tuple[dict, Settings]:
+    """The --config file, and its settings parsed as ``initialize`` parses them
+    (``settings.settings_from_ds_config``); the dict goes whole to the ZeRO-3 probe's DeepSpeed engine."""
     ds_config = read_json(path, "--config")
     try:
-        return settings_from_ds_config(ds_config)
+        return ds_config, settings_from_ds_config(ds_config)
     except GreedySnakeConfigError as error:
         raise PlannerError(f"--config {path}: {error}") from None
 
 
-def _hardware(args, settings: Settings, shape):
+def _hardware(args, ds_config: dict, settings: Settings, shape):
     if args.hardware != "probe":
         return load_hardware(args.hardware)
     from .probe import probe_machine, timeable  # imports torch and DeepSpeed's ops: only when probing
@@ -106,7 +111,8 @@ def _hardware(args, settings: Settings, shape):
     timed = workload if timeable(workload) else None
     sizes = _sweep_sizes(args) if args.saturated else ()
     hardware = probe_machine(nvme_path, settings, timed, more_micro_batch_sizes=sizes,
-                             layer_repeats=SATURATED_LAYER_REPEATS if args.saturated else None)
+                             layer_repeats=SATURATED_LAYER_REPEATS if args.saturated else None,
+                             zero_ds_config=None if args.no_zero_probe or timed is None else ds_config)
     if args.save_hardware:
         save_hardware(hardware, args.save_hardware)
     return hardware
@@ -157,7 +163,7 @@ def _describe(plans, hardware, shape, workload, budget, request) -> str:
 
 
 def _sweep_saturated(args, settings: Settings, request: PlanRequest) -> dict:
-    from .cost_model import HorizontalSettings
+    from .zero_model import HorizontalSettings
     from .engine_model import EngineSettings
     from .saturation import DEFAULT_SWEEP_MICRO_BATCHES, SweepRequest, sweep
     width = workload_from_settings(settings, request.shape).param_bytes
@@ -259,10 +265,11 @@ def main(argv=None) -> int:
     try:
         if not args.saturated and (args.micro_batch_sizes or args.ranks != 1):
             raise PlannerError("--micro-batch-sizes and --ranks apply to --saturated only: add --saturated")
-        settings = _load_settings(args.config)
+        with _stdout_to_stderr_if(args.json):  # DeepSpeed's accelerator warning, when it picks one, goes to stdout
+            ds_config, settings = _load_settings(args.config)
         shape = parse_layers(args.layers) if args.layers else named_shape(args.model or "gpt-small")
         with _stdout_to_stderr_if(args.json):
-            hardware = _hardware(args, settings, shape)
+            hardware = _hardware(args, ds_config, settings, shape)
         request = PlanRequest(shape, hardware, None if args.host_memory is None else args.host_memory * GIB,
                               args.micro_batches, args.modelled_placements, args.ideal, not args.zero_no_recompute)
         if args.saturated:

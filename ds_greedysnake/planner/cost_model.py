@@ -17,18 +17,16 @@ Three schedules:
   engine, as modelled" in docs/planner.md).
 * ``ideal_vertical_phases``: the paper's model: per layer, an alpha share of the optimizer work in
   forward and the rest in backward, every transfer overlapped.
-* ``horizontal_phases``: ZeRO-Infinity: per micro-batch, every layer's swapped parameters read again
-  (serially when ZeRO-3's prefetch is off), then an optimizer step after the last micro-batch.
+* ``horizontal_phases`` (in ``zero_model.py``): ZeRO-Infinity: per micro-batch, every layer's swapped
+  tensors read again (serially when ZeRO-3's prefetch is off), then its optimizer step, serial.
 """
+import bisect
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from .errors import PlannerError
 from .hardware import Hardware, LayerTimes
 from .shapes import GPTShape
-
-if TYPE_CHECKING:  # the cost model stays free of torch and DeepSpeed, which settings.py imports
-    from ..settings import Settings
 
 SHARES = ("act", "param", "opt", "grad")
 OPTIMIZER_BYTES_PER_PARAM = 12   # fp32 master, exp_avg, exp_avg_sq
@@ -172,6 +170,25 @@ def evaluate(engine: str, phases: List[Phase], workload: Workload, shares: Dict[
 # ----------------------------------------------------------------------------- shared per-layer terms
 
 
+def op_seconds(by_size: Dict[int, float], bytes_per_s: float) -> Callable[[float], float]:
+    """Seconds of one aio op of ``num_bytes``: linear between the sizes ``by_size`` timed, each size's time
+    scaled by size below the smallest and at the largest one's rate above it; ``num_bytes / bytes_per_s``
+    without a table."""
+    sizes = sorted(by_size)
+
+    def seconds(num_bytes: float) -> float:
+        if not sizes:
+            return num_bytes / bytes_per_s
+        if num_bytes <= sizes[0] or num_bytes >= sizes[-1]:
+            edge = sizes[0] if num_bytes <= sizes[0] else sizes[-1]
+            return by_size[edge] * num_bytes / edge
+        upper = bisect.bisect_left(sizes, num_bytes)
+        low, high = sizes[upper - 1], sizes[upper]
+        return by_size[low] + (by_size[high] - by_size[low]) * (num_bytes - low) / (high - low)
+
+    return seconds
+
+
 class Rates:
     """Seconds per byte / element of a machine, and the engine's per-transfer and per-update costs."""
 
@@ -180,6 +197,15 @@ class Rates:
         self.write = 1.0 / hardware.ssd_write_bytes_per_s
         self.read_one = 1.0 / hardware.ssd_read_bytes_per_s_single  # one op per transfer (ZeRO-3's swapper)
         self.write_one = 1.0 / hardware.ssd_write_bytes_per_s_single
+        # ZeRO-3's swappers' aio ops at the sizes the probe timed (else at the one-op rates), and its parameter
+        # reads as the ZeRO-3 probe timed them (its aio op and the swapper's own work), else the aio op alone.
+        self.read_op = op_seconds(hardware.ssd_read_seconds_by_op_size, hardware.ssd_read_bytes_per_s_single)
+        self.write_op = op_seconds(hardware.ssd_write_seconds_by_op_size, hardware.ssd_write_bytes_per_s_single)
+        self.zero_param_read = (op_seconds(hardware.zero_read_seconds_by_size, hardware.ssd_read_bytes_per_s_single)
+                                if hardware.zero_read_seconds_by_size else self.read_op)
+        # ZeRO-3's own costs (planner/zero_probe.py): per layer fetch beyond compute and reads; its Adam.
+        self.zero_fetch_overhead = hardware.zero_seconds_per_fetch or 0.0
+        self.zero_per_element = dict(hardware.zero_optimizer_seconds_per_element)
         self.read_latency = hardware.ssd_read_seconds_per_transfer or 0.0
         self.write_latency = hardware.ssd_write_seconds_per_transfer or 0.0
         self.update_host = hardware.update_seconds_per_element          # None: from the rates
@@ -194,6 +220,14 @@ class Rates:
         self.zero_grad_reduce = 0.0 if zero_reduce is None else 1.0 / zero_reduce
         link = hardware.host_device_bytes_per_s
         self.link = None if link is None else 1.0 / link
+
+    def zero_reduce_per_micro_batch(self, micro_batches: int) -> float:
+        """Seconds per element of ZeRO-3's gradient reduction, averaged over a step's micro-batches: the
+        last one's at its own cost when the ZeRO-3 probe measured it (it also hands the gradients over)."""
+        boundary = self.zero_per_element.get("gradient reduction (boundary)")
+        if boundary is None or not self.zero_grad_reduce:  # with a GPU the link lane carries the reduction
+            return self.zero_grad_reduce
+        return ((micro_batches - 1) * self.zero_grad_reduce + boundary) / micro_batches
 
     def ssd(self, reads: Linear, writes: Linear) -> Linear:
         return reads * self.read + writes * self.write
@@ -243,76 +277,4 @@ def ideal_vertical_phases(workload: Workload, hardware: Hardware, alpha: float) 
                      "SSD": rates.ssd(reads, writes)}
             rates.add_link(lanes, link)
             phases.append(Phase(f"{sweep}[{index}]", Linear(), lanes))
-    return phases
-
-
-# ----------------------------------------------------------------------------- ZeRO-Infinity
-
-
-@dataclass
-class HorizontalSettings:
-    """What of ds_config's ZeRO-3 section changes ZeRO-Infinity's traffic (``settings.ZeroSettings``)."""
-    prefetch: bool = False         # stage3_prefetch_bucket_size > 0: reads overlap compute
-    reuse_recompute_fetch: bool = False  # stage3_max_reuse_distance > 0: backward reuses the recompute's fetch
-    recompute: bool = True         # blocks wrapped in activation checkpointing (a fair baseline; the A/B does)
-    # What ZeRO-3 keeps on the device by its own rules (device_memory.py), DeepSpeed 0.19.8's defaults:
-    prefetch_bucket_elements: float = 5e7     # stage3_prefetch_bucket_size: parameters fetched ahead
-    persistence_threshold: float = 1e5        # stage3_param_persistence_threshold: smaller tensors stay resident
-    max_live_parameters: float = 1e9          # stage3_max_live_parameters: gathered parameters at most
-    reduce_bucket_elements: float = 5e8       # reduce_bucket_size: the gradient bucket
-
-    @classmethod
-    def from_settings(cls, settings: "Settings", recompute: bool = True) -> "HorizontalSettings":
-        zero = settings.zero
-        return cls(prefetch=zero.prefetch_bucket_size > 0, reuse_recompute_fetch=zero.max_reuse_distance > 0,
-                   recompute=recompute, prefetch_bucket_elements=zero.prefetch_bucket_size,
-                   persistence_threshold=zero.param_persistence_threshold,
-                   max_live_parameters=zero.max_live_parameters, reduce_bucket_elements=zero.reduce_bucket_size)
-
-
-def horizontal_phases(workload: Workload, hardware: Hardware, settings: HorizontalSettings) -> List[Phase]:
-    """Per micro-batch, per layer: forward and backward, each reading the layer's swapped parameters
-    (a checkpointed block twice in backward, recompute and backward, unless the fetch is reused); reads
-    are serial with compute without prefetch; where the device is the host, each micro-batch's gradient
-    reduction (``zero_grad_reduce_elements_per_s``) adds to the backward's compute. Then the optimizer
-    step, after every micro-batch: per layer, read states and gradient, Adam, write states, gradient and
-    weights, as the swapper does."""
-    layers, times, rates = workload.shape.layers, layer_times(workload, hardware), Rates(hardware)
-    m = workload.micro_batches
-    phases = []
-    for sweep in ("forward", "backward"):
-        for index in (range(len(layers)) if sweep == "forward" else range(len(layers) - 1, -1, -1)):
-            layer = layers[index]
-            checkpointed = layer.checkpointed and settings.recompute
-            fetches = 1
-            if sweep == "backward" and checkpointed and not settings.reuse_recompute_fetch:
-                fetches = 2
-            reads = on_ssd("param", fetches * workload.param_bytes * layer.swapped_params)
-            time = times[index]
-            compute = time.forward_s if sweep == "forward" else (
-                time.forward_backward_s if checkpointed else time.forward_backward_s - time.forward_s)
-            read_seconds = reads * (rates.read if settings.prefetch else rates.read_one)
-            if sweep == "backward":  # the device is the host: the micro-batch's gradient reduced in the compute lane
-                compute += layer.params * rates.zero_grad_reduce
-            if settings.prefetch:
-                serial, lanes = Linear(), {"compute": Linear(compute), "SSD": read_seconds}
-            else:
-                serial, lanes = read_seconds, {"compute": Linear(compute)}
-            link = fetches * workload.param_bytes * layer.params + workload.checkpoint_bytes
-            if sweep == "backward":
-                link += workload.param_bytes * layer.params  # the micro-batch's gradient, to host memory
-                # From the second micro-batch on, ZeRO-3 adds it on the device to the accumulated one it
-                # keeps in host memory (stage3.py partition_grads: copy in, add, copy back), in the
-                # accumulation dtype (DeepSpeed's default: the compute dtype).
-                link += 2 * workload.param_bytes * layer.params * (m - 1) / m
-            rates.add_link(lanes, link)
-            phases.append(Phase(f"{sweep}[{index}]", serial, lanes, repeat=m, serial_name="SSD read (no prefetch)"))
-    for index, layer in enumerate(layers):
-        states = OPTIMIZER_BYTES_PER_PARAM * layer.params
-        grads = GRAD_BYTES_PER_PARAM * layer.params
-        reads = on_ssd("opt", states) + on_ssd("grad", grads)
-        writes = on_ssd("opt", states) + on_ssd("grad", grads) + on_ssd("param", workload.param_bytes * layer.params)
-        lanes = {"SSD read": reads * rates.read_one, "SSD write": writes * rates.write_one,
-                 "CPU Adam": Linear(layer.params * rates.adam)}
-        phases.append(Phase(f"optimizer[{index}]", Linear(), lanes))
     return phases

@@ -14,7 +14,8 @@ import dataclasses
 import re
 from typing import List
 
-from .cost_model import GRAD_BYTES_PER_PARAM, HorizontalSettings, Linear, Phase, Workload
+from .cost_model import GRAD_BYTES_PER_PARAM, Linear, Phase, Workload
+from .zero_model import HorizontalSettings
 from .errors import PlannerError
 from .hardware import Hardware
 from .shapes import GPTShape
@@ -36,7 +37,8 @@ def sharded_shape(shape: GPTShape, ranks: int) -> GPTShape:
     copy = GPTShape(f"{shape.name} (1/{ranks} per rank)", shape.num_blocks, shape.hidden, shape.heads, shape.vocab,
                     shape.seq_len, shape.mlp_ratio, shape.notes)
     layers = [dataclasses.replace(layer, params=-(-layer.params // ranks),
-                                  swapped_params=-(-layer.swapped_params // ranks)) for layer in shape.layers]
+                                  swapped_params=-(-layer.swapped_params // ranks), partition_ranks=ranks)
+              for layer in shape.layers]
     object.__setattr__(copy, "layers", layers)  # frozen: the per-rank layers replace the computed ones
     return copy
 

@@ -40,7 +40,8 @@ ZeRO-Infinity, by DeepSpeed 0.19.8's rules (``HorizontalSettings``):
 from dataclasses import asdict, dataclass
 from typing import Dict
 
-from .cost_model import GRAD_BYTES_PER_PARAM, HorizontalSettings, Workload
+from .cost_model import GRAD_BYTES_PER_PARAM, Workload
+from .zero_model import HorizontalSettings
 from .hardware import Hardware
 from .shapes import GPTShape, LayerShape
 

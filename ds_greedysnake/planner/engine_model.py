@@ -21,7 +21,7 @@ from .cost_model import (GRAD_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, Linear
                          on_ssd)
 from ..runtime.schedule import default_deferred_layers, layers_updated_after_decision
 from .errors import PlannerError
-from .hardware import Hardware
+from .hardware import Hardware, LayerTimes
 
 if TYPE_CHECKING:  # the model stays free of torch and DeepSpeed, which settings.py imports
     from ..settings import Settings
@@ -126,7 +126,11 @@ class _EngineTerms:
 
     def __init__(self, workload: Workload, hardware: Hardware, deferred: int, overlap: bool, host_states: int):
         self.workload, self.layers = workload, workload.shape.layers
-        self.times, self.rates = layer_times(workload, hardware), Rates(hardware)
+        # The layer times are taken at torch's threads; the engine trains on its training_threads.
+        slower = hardware.engine_threads_slowdown or 1.0
+        self.times = [LayerTimes(t.forward_s * slower, t.forward_backward_s * slower)
+                      for t in layer_times(workload, hardware)]
+        self.rates = Rates(hardware)
         self.count, self.m = len(self.layers), workload.micro_batches
         self.deferred, self.overlap = deferred, overlap
         self.updates = [_update(layer.params, workload, self.rates, index < host_states)

@@ -25,6 +25,7 @@ class WorkloadTimes:
     times and the shared-cores slow-down, both of which depend on the tokens per micro-batch."""
     layer_times: Dict[str, LayerTimes]
     compute_slowdown_sharing_cores: Optional[float] = None
+    engine_threads_slowdown: Optional[float] = None
 
 
 # Where a hardware file's number may come from: the paper (arXiv 2512.17570, as restated in the design
@@ -42,6 +43,20 @@ class Hardware:
     device_flops_per_s: float            # effective FLOP/s of a layer's compute at the micro-batch size
     ssd_read_bytes_per_s_single: Optional[float] = None  # one op per transfer (ZeRO-3's swapper); default: deep
     ssd_write_bytes_per_s_single: Optional[float] = None  # one op per transfer; default: deep
+    # ZeRO-3's swappers' aio ops, one at a time into locked buffers: bytes -> median seconds, probed at the model's
+    # own op sizes (probe.probe_zero_ops; cost_model.op_seconds interpolates). Empty: bytes / rate_single.
+    ssd_read_seconds_by_op_size: Dict[int, float] = field(default_factory=dict)
+    ssd_write_seconds_by_op_size: Dict[int, float] = field(default_factory=dict)
+    # ZeRO-3 itself, measured on four blocks of the model (planner/zero_probe.py; None: not modelled): what its
+    # forwards and backwards take per layer fetch beyond the plain compute and the reads (hooks, gathers,
+    # releases), and its Adam, one call per optimizer sub-group, in elements/s.
+    zero_seconds_per_fetch: Optional[float] = None
+    # Its parameter swapper's reads (swap_in: the aio op into its locked buffer and its own work), bytes ->
+    # median seconds, at the sizes the model reads.
+    zero_read_seconds_by_size: Dict[int, float] = field(default_factory=dict)
+    # Its optimizer step's parts and the boundary's gradient write, seconds per element each works on
+    # (zero_probe.optimizer_elements names the parts and their elements).
+    zero_optimizer_seconds_per_element: Dict[str, float] = field(default_factory=dict)
     host_device_bytes_per_s: Optional[float] = None      # host<->device copies; None: the device is the host
     grad_handoff_elements_per_s: Optional[float] = None  # the engine's gradient hand-over (copy, fp64 norm)
     # ZeRO-3's gradient reduction of every micro-batch where the device is the host (no link lane carries
@@ -69,6 +84,10 @@ class Hardware:
     # Training compute while the optimizer worker shares its cores (the CPU accelerator): seconds with
     # one thread fewer over seconds with all of them; 1 when the device computes apart from the host.
     compute_slowdown_sharing_cores: Optional[float] = None
+    # The greedysnake engine's compute at its training threads (config.training_threads_for: on the CPU
+    # accelerator the cores less the worker's) over the layer times, which are timed at torch's threads as
+    # ZeRO-3 runs them; 1 (None) with a GPU.
+    engine_threads_slowdown: Optional[float] = None
     notes: str = ""
     # Where each number comes from: field (or "model.<what>") -> {"source": one of ASSUMPTION_SOURCES,
     # "note": why this value}. Shown by scripts/bench/plan_projection.py; checked by the unit tests.
@@ -96,7 +115,7 @@ class Hardware:
         if self.ssd_write_bytes_per_s_single is None:
             self.ssd_write_bytes_per_s_single = self.ssd_write_bytes_per_s
         for name in ("ssd_read_seconds_per_transfer", "ssd_write_seconds_per_transfer", "update_seconds_per_element",
-                     "update_state_io_seconds_per_element"):
+                     "update_state_io_seconds_per_element", "zero_seconds_per_fetch"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not math.isfinite(value) or value < 0):
@@ -104,15 +123,30 @@ class Hardware:
         if not isinstance(self.device_attention_keeps_scores, bool):
             raise PlannerError(f"hardware {self.name!r}: device_attention_keeps_scores must be true or false, "
                                f"got {self.device_attention_keeps_scores!r}")
+        for name in ("ssd_read_seconds_by_op_size", "ssd_write_seconds_by_op_size", "zero_read_seconds_by_size"):
+            table = getattr(self, name)
+            if not isinstance(table, dict) or any(
+                    isinstance(size, bool) or not isinstance(size, int) or size <= 0 or isinstance(seconds, bool)
+                    or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds <= 0
+                    for size, seconds in table.items()):
+                raise PlannerError(f"hardware {self.name!r}: {name} must map op sizes in bytes (positive integers) "
+                                   f"to seconds (positive numbers), got {table!r}")
+        parts = self.zero_optimizer_seconds_per_element
+        if not isinstance(parts, dict) or any(
+                not isinstance(part, str) or isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                or not math.isfinite(seconds) or seconds < 0 for part, seconds in parts.items()):
+            raise PlannerError(f"hardware {self.name!r}: zero_optimizer_seconds_per_element must map part names to "
+                               f"seconds per element (numbers >= 0), got {parts!r}")
         for key, entry in self.assumptions.items():
             if not isinstance(entry, dict) or entry.get("source") not in ASSUMPTION_SOURCES:
                 raise PlannerError(f"hardware {self.name!r}: assumptions[{key!r}] must be an object with \"source\" "
                                    f"one of {', '.join(ASSUMPTION_SOURCES)} and a \"note\", got {entry!r}")
-        slowdown = self.compute_slowdown_sharing_cores
-        if slowdown is not None and (isinstance(slowdown, bool) or not isinstance(slowdown, (int, float))
-                                     or not math.isfinite(slowdown) or slowdown < 1):
-            raise PlannerError(f"hardware {self.name!r}: compute_slowdown_sharing_cores must be a number >= 1 "
-                               f"(1: no slow-down), got {slowdown!r}")
+        for name in ("compute_slowdown_sharing_cores", "engine_threads_slowdown"):
+            slowdown = getattr(self, name)
+            if slowdown is not None and (isinstance(slowdown, bool) or not isinstance(slowdown, (int, float))
+                                         or not math.isfinite(slowdown) or slowdown < 1):
+                raise PlannerError(f"hardware {self.name!r}: {name} must be a number >= 1 (1: no slow-down), "
+                                   f"got {slowdown!r}")
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -124,7 +158,8 @@ class Hardware:
         if timed is None or compute_key == self.layer_times_for:
             return self
         return replace(self, layer_times=dict(timed.layer_times), layer_times_for=compute_key,
-                       compute_slowdown_sharing_cores=timed.compute_slowdown_sharing_cores)
+                       compute_slowdown_sharing_cores=timed.compute_slowdown_sharing_cores,
+                       engine_threads_slowdown=timed.engine_threads_slowdown)
 
     @property
     def timed_keys(self):
@@ -152,8 +187,14 @@ def hardware_from_dict(data: Dict[str, Any], where: str = "hardware") -> Hardwar
         values["layer_times"] = {kind: LayerTimes(**times) for kind, times in (data.get("layer_times") or {}).items()}
         values["timed_workloads"] = {
             key: WorkloadTimes({kind: LayerTimes(**times) for kind, times in (entry.get("layer_times") or {}).items()},
-                               entry.get("compute_slowdown_sharing_cores"))
+                               entry.get("compute_slowdown_sharing_cores"), entry.get("engine_threads_slowdown"))
             for key, entry in (data.get("timed_workloads") or {}).items()}
+        for name in ("ssd_read_seconds_by_op_size", "ssd_write_seconds_by_op_size",
+                     "zero_read_seconds_by_size"):  # JSON keys are strings
+            values[name] = {int(size): seconds for size, seconds in (data.get(name) or {}).items()}
+    except ValueError:
+        raise PlannerError(f"{where}: the keys of ssd_*_seconds_by_op_size and zero_read_seconds_by_size must be "
+                           "op sizes in bytes (integers)") from None
     except (TypeError, AttributeError) as error:
         raise PlannerError(f"{where}: layer_times entries need forward_s and forward_backward_s, timed_workloads "
                            f"entries layer_times and compute_slowdown_sharing_cores ({error})") from None

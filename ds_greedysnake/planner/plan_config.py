@@ -3,7 +3,8 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 from ..settings import Settings
-from .cost_model import HorizontalSettings, Workload
+from .cost_model import Workload
+from .zero_model import HorizontalSettings
 from .engine_model import EngineSettings
 from .errors import PlannerError
 from .hardware import Hardware

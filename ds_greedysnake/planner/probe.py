@@ -13,39 +13,28 @@ Times are medians of repeats after one warm-up: the planner predicts typical ste
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import replace
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
 from .. import deepspeed_compat
 from ..storage import transfers
-from ..config import worker_threads_for
+from ..config import training_threads_for, worker_threads_for
 from ..settings import Settings
 from ..storage.ssd import ALIGNMENT, IoCounters, SsdStore
 from .cost_model import Workload
 from .errors import PlannerError
 from .device_memory import layer_working_set_bytes
-from .hardware import Hardware, LayerTimes, WorkloadTimes
+from .hardware import Hardware, WorkloadTimes
+from .timing import median_seconds as _median_seconds
+from .timing import probe_layers  # noqa: F401  (also this module's API, as before)
 
 MIB = 2**20
-
-
-def _median_seconds(action: Callable[[], None], repeats: int, warmup: int = 1, min_seconds: float = 0.0) -> float:
-    """Median of ``repeats`` timed runs after ``warmup``, more while they add up to under ``min_seconds``
-    (a millisecond layer timed five times moved by 30% between probes here)."""
-    times = []
-    while len(times) < repeats or sum(times) < min_seconds:
-        started = time.perf_counter()
-        action()
-        elapsed = time.perf_counter() - started
-        if warmup:
-            warmup -= 1
-        else:
-            times.append(elapsed)
-    return statistics.median(times)
 
 
 def probe_ssd(folder: str, aio: deepspeed_compat.AioSettings, region_mib: int = 128,
@@ -280,64 +269,49 @@ def probe_link(device: torch.device, num_bytes: int = 256 * MIB, repeats: int = 
     return num_bytes / slowest
 
 
-def probe_layers(workload: Workload, device: torch.device, repeats: int = 5,
-                 kinds: Sequence[str] = ("embedding", "block", "head")) -> Dict[str, LayerTimes]:
-    """Seconds per micro-batch of the embedding, one block and the head with the loss (those of
-    ``kinds``), run as the engine runs them: forward without a graph; recompute with a graph and
-    backward, the gradients accumulating in place in views of one flat accumulator."""
-    from ..models.gpt import Block, Embedding, GPTConfig, Head, lm_loss
-    shape = workload.shape
-    config = GPTConfig(vocab_size=shape.vocab, seq_len=shape.seq_len, hidden=shape.hidden,
-                       num_heads=shape.heads, num_layers=1, mlp_ratio=shape.mlp_ratio)
-    dtype = {4: torch.float32, 2: torch.bfloat16}[workload.param_bytes]
-    tokens = torch.randint(0, shape.vocab, (workload.micro_batch_size, shape.seq_len), device=device)
-    hidden = torch.randn(workload.micro_batch_size, shape.seq_len, shape.hidden, device=device, dtype=dtype)
-    synchronize = getattr(torch, device.type).synchronize if device.type != "cpu" else (lambda: None)
-    times = {}
-    for kind, build, layer_input in (("embedding", Embedding, tokens), ("block", Block, hidden), ("head", Head, hidden)):
-        if kind not in kinds:
-            continue
-        module = build(config).to(device=device, dtype=dtype)
-        accumulator = torch.zeros(sum(p.numel() for p in module.parameters()), device=device, dtype=dtype)
-        offset = 0
-        for param in module.parameters():  # autograd adds each micro-batch's gradient into these views
-            param.grad = accumulator[offset:offset + param.numel()].view_as(param)
-            offset += param.numel()
-
-        def forward():
-            with torch.no_grad():
-                module(layer_input)
-            synchronize()
-
-        def forward_backward():
-            source = layer_input if kind == "embedding" else layer_input.detach().requires_grad_(True)
-            output = module(source)
-            if kind == "head":
-                lm_loss(output, tokens).backward()
-            else:
-                output.backward(torch.ones_like(output))
-            synchronize()
-
-        times[kind] = LayerTimes(_median_seconds(forward, repeats, min_seconds=0.1 * repeats / 5),
-                                 _median_seconds(forward_backward, repeats, min_seconds=0.2 * repeats / 5))
-    return times
+# A stand-in for the optimizer worker's Adam while the probe times training beside it: elementwise passes over
+# 64 MiB of fp32 (memory-bound, as CPU Adam is) on the worker's threads, in a process of its own.
+_BUSY_WORKER = """
+import sys, torch
+torch.set_num_threads(int(sys.argv[1]))
+x, y = torch.ones(1 << 24), torch.ones(1 << 24)
+print("ready", flush=True)
+while True:
+    x.mul_(0.999).add_(y, alpha=0.001)
+"""
 
 
-def probe_sharing_cores(workload: Workload, device: torch.device, repeats: int = 5) -> Optional[float]:
-    """On the CPU accelerator the optimizer worker (and the aio threads) run on training's cores: the
-    block's forward+backward with one thread fewer over with all of them, the slow-down the cost model
-    gives training compute while the worker runs. None when the device is not the host or one thread runs."""
+def probe_engine_cores(workload: Workload, device: torch.device, settings: Settings,
+                       repeats: int = 5) -> Tuple[Optional[float], Optional[float]]:
+    """On the CPU accelerator: (``engine_threads_slowdown``, ``compute_slowdown_sharing_cores``). The engine
+    trains on ``training_threads`` (the cores less the worker's, by default), not torch's count the layer times
+    are taken at: a block's forward+backward at those threads over at torch's (1.3-1.8 at hidden 640 here); and
+    at those threads beside a stand-in for the worker's Adam on its threads (``_BUSY_WORKER``) over alone, the
+    slow-down while the worker runs. Until issue 33 the second was one thread fewer over all of them, which
+    stood in for both on this 2-core machine and missed the first where the worker was idle. (None, None)
+    when the device is not the host."""
+    if device.type != "cpu":
+        return None, None
     threads = torch.get_num_threads()
-    if device.type != "cpu" or threads < 2:
-        return None
+    training = training_threads_for(settings.greedysnake, device.type) or threads
     block = lambda: probe_layers(workload, device, repeats, kinds=("block",))["block"].forward_backward_s  # noqa: E731
-    alone = block()
-    torch.set_num_threads(threads - 1)
+    alone_all = block()
+    torch.set_num_threads(training)
     try:
-        fewer = block()
+        alone = block()
+        busy = subprocess.Popen([sys.executable, "-c", _BUSY_WORKER,
+                                 str(worker_threads_for(settings.greedysnake, device.type))],
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            if busy.stdout.readline().strip() != "ready":
+                raise PlannerError("the probe's stand-in for the optimizer worker did not start")
+            beside = block()
+        finally:
+            busy.kill()
+            busy.wait()
     finally:
         torch.set_num_threads(threads)
-    return max(1.0, fewer / alone)
+    return max(1.0, alone / alone_all), max(1.0, beside / alone)
 
 
 # The largest working set (one layer's backward for one micro-batch) the probe times; larger micro-batch
@@ -358,26 +332,28 @@ def timeable(workload: Workload) -> bool:
 
 
 def probe_more_workloads(workload: Workload, micro_batch_sizes: Sequence[int], device: torch.device,
-                         repeats: int = 5) -> Dict[str, WorkloadTimes]:
+                         settings: Settings, repeats: int = 5) -> Dict[str, WorkloadTimes]:
     """The layers (and the shared-cores slow-down) at each further micro-batch size that ``timeable``
     allows: compute key -> WorkloadTimes, for a sweep over micro-batch sizes (``plan --saturated``)."""
     timed = {}
     for size in sorted(set(micro_batch_sizes) - {workload.micro_batch_size}):
         other = replace(workload, micro_batch_size=size)
         if timeable(other):
-            timed[other.compute_key()] = WorkloadTimes(probe_layers(other, device, repeats),
-                                                       probe_sharing_cores(other, device, repeats))
+            threads_slowdown, sharing = probe_engine_cores(other, device, settings, repeats)
+            timed[other.compute_key()] = WorkloadTimes(probe_layers(other, device, repeats), sharing, threads_slowdown)
     return timed
 
 
 def probe_machine(nvme_path: str, settings: Settings, workload: Optional[Workload] = None, quick: bool = False,
                   device: Optional[torch.device] = None, more_micro_batch_sizes: Sequence[int] = (),
-                  layer_repeats: Optional[int] = None) -> Hardware:
+                  layer_repeats: Optional[int] = None, zero_ds_config: Optional[dict] = None) -> Hardware:
     """Everything the planner needs about this machine, as a Hardware; with a workload, its layers
     are timed too, and the block's forward sets the effective FLOP/s used for other shapes; with
     ``more_micro_batch_sizes``, the layers at each of those too (``Hardware.timed_workloads``).
     ``layer_repeats``: the layer timings' repeats (default 5, quick 3; each at least 0.02 s x repeats
-    of forward and 0.04 s x repeats of forward and backward)."""
+    of forward and 0.04 s x repeats of forward and backward). With a workload and ``zero_ds_config`` (the ds_config
+    ZeRO-Infinity would run), ZeRO-3's one-op SSD rates are fitted over the model's own op sizes
+    (``probe_zero_ops``) and ZeRO-3 itself is timed on four of its blocks (``zero_probe``, 20-60 s)."""
     if not nvme_path or not os.path.isdir(nvme_path):
         raise PlannerError(f"the probe needs an existing folder on the SSD to measure, got {nvme_path!r}: set "
                            "zero_optimization.offload_param.nvme_path in ds_config (or --nvme-path)")
@@ -392,15 +368,25 @@ def probe_machine(nvme_path: str, settings: Settings, workload: Optional[Workloa
     handoff = probe_grad_handoff(numel=(1 << 20) if quick else (1 << 22), device=device)
     link = probe_link(device, num_bytes=(64 if quick else 256) * MIB)
     zero_reduce = probe_zero_grad_reduce(device, numel=(1 << 22) if quick else (1 << 24))
-    layer_times, key, flops, sharing, more = {}, "", None, None, {}
+    layer_times, key, flops, sharing, threads_slowdown, more, zero_terms = {}, "", None, None, None, {}, {}
     if workload is not None:
         repeats = layer_repeats or (3 if quick else 5)
         layer_times = probe_layers(workload, device, repeats=repeats)
-        sharing = probe_sharing_cores(workload, device, repeats=repeats)
+        threads_slowdown, sharing = probe_engine_cores(workload, device, settings, repeats=repeats)
         key = workload.compute_key()
         block = next(layer for layer in workload.shape.layers if layer.kind == "block")
         flops = block.forward_flops_per_token * workload.tokens_per_micro_batch / layer_times["block"].forward_s
-        more = probe_more_workloads(workload, more_micro_batch_sizes, device, repeats)
+        more = probe_more_workloads(workload, more_micro_batch_sizes, device, settings, repeats)
+        if zero_ds_config is not None:
+            from .zero_probe import probe_zero_engine, probe_zero_ops, zero_op_sizes
+            reads, writes = zero_op_sizes(workload, settings)
+            if reads or writes:
+                rates.update(probe_zero_ops(nvme_path, settings.aio, sorted(set(reads) | set(writes)),
+                                            min_seconds=1.0 if quick else 2.0))
+            try:
+                zero_terms = probe_zero_engine(zero_ds_config, workload, nvme_path)
+            except PlannerError as error:  # said, and the prediction goes on from plain rates
+                print(f"warning: {error}\nZeRO-Infinity is predicted without ZeRO-3's own costs", file=sys.stderr)
     if flops is None:
         flops = _matmul_flops(device)
     return Hardware(name=f"probe of {os.uname().nodename}", source=f"ds_greedysnake.planner.probe at "
@@ -412,9 +398,14 @@ def probe_machine(nvme_path: str, settings: Settings, workload: Optional[Workloa
                     ssd_read_seconds_per_transfer=rates["ssd_read_seconds_per_transfer"],
                     ssd_write_seconds_per_transfer=rates["ssd_write_seconds_per_transfer"],
                     update_seconds_per_element=update_host, update_state_io_seconds_per_element=update_state_io,
-                    compute_slowdown_sharing_cores=sharing,
+                    compute_slowdown_sharing_cores=sharing, engine_threads_slowdown=threads_slowdown,
                     device_flops_per_s=flops, host_device_bytes_per_s=link, grad_handoff_elements_per_s=handoff,
-                    zero_grad_reduce_elements_per_s=zero_reduce,
+                    zero_grad_reduce_elements_per_s=zero_terms.get("zero_grad_reduce_elements_per_s", zero_reduce),
+                    zero_seconds_per_fetch=zero_terms.get("zero_seconds_per_fetch"),
+                    zero_read_seconds_by_size=zero_terms.get("zero_read_seconds_by_size", {}),
+                    zero_optimizer_seconds_per_element=zero_terms.get("zero_optimizer_seconds_per_element", {}),
+                    ssd_read_seconds_by_op_size=rates.get("ssd_read_seconds_by_op_size", {}),
+                    ssd_write_seconds_by_op_size=rates.get("ssd_write_seconds_by_op_size", {}),
                     host_memory_bytes=_host_memory(),
                     layer_times=layer_times, layer_times_for=key, timed_workloads=more,
                     notes=f"aio {settings.aio.as_dict()}; SSD folder {nvme_path}")

@@ -12,7 +12,7 @@ reduces measured points (``scripts/bench/saturation_accuracy.py``) the same way.
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from .cost_model import HorizontalSettings, Workload, evaluate, horizontal_phases
+from .cost_model import Workload, evaluate
 from .data_parallel import add_collectives, check_ranks, per_rank_hardware, sharded_shape
 from .device_memory import DeviceBytes, fits, greedysnake_device_bytes, zero_infinity_device_bytes
 from .engine_model import EngineSettings
@@ -20,6 +20,7 @@ from .errors import PlannerError
 from .hardware import Hardware
 from .search import BudgetTooSmall, best_plan_for
 from .shapes import GPTShape
+from .zero_model import HorizontalSettings, horizontal_phases
 from ..runtime.schedule import default_deferred_layers
 
 KNEE = 0.95

@@ -14,12 +14,13 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence
 import numpy
 from scipy.optimize import linprog
 
-from .cost_model import (GRAD_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, SHARES, HorizontalSettings, Linear, Phase,
-                         StepPrediction, Workload, evaluate, horizontal_phases, ideal_vertical_phases, in_host)
+from .cost_model import (GRAD_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, SHARES, Linear, Phase, StepPrediction,
+                         Workload, evaluate, ideal_vertical_phases, in_host)
 from .engine_model import (EngineSettings, engine_phases, layers_updated_after_decision, optimizer_host_layers,
                            slot_bytes)
 from .errors import PlannerError
 from .hardware import Hardware
+from .zero_model import HorizontalSettings, horizontal_phases
 from ..runtime.schedule import default_deferred_layers
 
 GIB = 2**30

@@ -20,6 +20,8 @@ class LayerShape:
     # Every parameter tensor's element count: ZeRO-3 keeps tensors at or under its persistence threshold
     # on the device for the whole run (device_memory.py).
     tensor_numels: Tuple[int, ...] = ()
+    # Ranks each tensor is partitioned over (ZeRO-3 swaps and updates one rank's share of each): data_parallel.
+    partition_ranks: int = 1
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,7 @@ def predict_runs(report: dict, hardware_arg: str, nvme_path: str, save_hardware=
     from ds_greedysnake.planner import (EngineSettings, HorizontalSettings, engine_phases, evaluate,
                                         horizontal_phases, load_hardware, parse_layers, save_hardware as save,
                                         workload_from_settings)
+    from ds_greedysnake.planner.zero_model import zero_terms
     from ds_greedysnake.settings import settings_from_ds_config
     rows, hardware_by_config = [], dict(recorded or {})
     for run in report["runs"]:
@@ -83,18 +84,20 @@ def predict_runs(report: dict, hardware_arg: str, nvme_path: str, save_hardware=
             if hardware_arg != "probe":
                 hardware_by_config[run["config"]] = load_hardware(hardware_arg)
             else:
-                from ds_greedysnake.planner.probe import probe_layers, probe_machine, probe_sharing_cores
+                from ds_greedysnake.planner.probe import probe_engine_cores, probe_layers, probe_machine
                 from ds_greedysnake.deepspeed_compat import accelerator_device
                 os.makedirs(nvme_path, exist_ok=True)
                 if not hardware_by_config:
-                    hardware = probe_machine(nvme_path, settings, workload)
+                    hardware = probe_machine(nvme_path, settings, workload, zero_ds_config=run["ds_config"])
                     if save_hardware:
                         save(hardware, save_hardware)
                 else:  # the machine's rates once; the layers per configuration
                     first, device = next(iter(hardware_by_config.values())), accelerator_device()
+                    threads_slowdown, sharing = probe_engine_cores(workload, device, settings)
                     hardware = dataclasses.replace(first, layer_times=probe_layers(workload, device),
                                                    layer_times_for=workload.compute_key(),
-                                                   compute_slowdown_sharing_cores=probe_sharing_cores(workload, device))
+                                                   compute_slowdown_sharing_cores=sharing,
+                                                   engine_threads_slowdown=threads_slowdown)
                 hardware_by_config[run["config"]] = hardware
         hardware = hardware_by_config[run["config"]]
         if run["engine"] == "greedysnake":
@@ -109,13 +112,52 @@ def predict_runs(report: dict, hardware_arg: str, nvme_path: str, save_hardware=
             shares = {}
         prediction = evaluate(run["engine"], phases, workload, shares)
         measured = run["step_seconds_median"]
-        rows.append({"config": run["config"], "micro_batches": run["micro_batches"], "engine": run["engine"],
+        if run["engine"] == "zero_infinity" and "seconds_by_phase_mean" in run:
+            terms = {"predicted": zero_terms(workload, hardware, HorizontalSettings.from_settings(settings)),
+                     "measured": measured_zero_terms(run)}
+        else:
+            terms = None
+        rows.append({"terms": terms, "config": run["config"], "micro_batches": run["micro_batches"], "engine": run["engine"],
                      "measured_seconds": measured, "predicted_seconds": prediction.seconds,
                      "ratio": prediction.seconds / measured, "binding": prediction.binding,
                      "seconds_by_binding": prediction.seconds_by_binding,
                      "predicted_phases": prediction.to_dict()["phases"],
                      "measured_seconds_by_op": run.get("seconds_by_op_mean")})
     return rows, {name: hw.to_dict() for name, hw in hardware_by_config.items()}
+
+
+def measured_zero_terms(run: dict) -> dict:
+    """A ZeRO-Infinity run's profile (ab_bench's ``seconds_by_op_mean`` and ``seconds_by_phase_mean``, per
+    step) under ``zero_model.zero_terms``'s names: the reduction without the boundary's gradient write it
+    holds, and compute as what the forwards and backwards took besides reads and reductions."""
+    ops, phases = run["seconds_by_op_mean"], run["seconds_by_phase_mean"]
+    passes = phases["forward"] + phases.get("backward", 0.0) + phases.get("backward (boundary)", 0.0)
+    terms = {"parameter read": ops["parameter read"],
+             "parameter reads": statistics.median(s["param_reads"] for s in run["steps"] if not s["warmup"]),
+             "compute": passes - ops["parameter read"] - ops["gradient reduction"],
+             "gradient reduction": ops["gradient reduction"] - ops["gradient write (boundary)"],
+             "gradient write (boundary)": ops["gradient write (boundary)"]}
+    terms.update({name: ops[name] for name in ("optimizer state read", "Adam", "parameter write",
+                                                "optimizer state write")})
+    terms["optimizer step, beyond its parts"] = ops["optimizer step"] - sum(
+        ops[name] for name in ("optimizer state read", "Adam", "parameter write", "optimizer state write"))
+    return terms
+
+
+def terms_markdown(rows: list) -> str:
+    """Per ZeRO-Infinity run: each term of the model against the profile."""
+    lines = []
+    for row in rows:
+        if not row.get("terms"):
+            continue
+        predicted, measured = row["terms"]["predicted"], row["terms"]["measured"]
+        lines += [f"\nZeRO-Infinity M={row['micro_batches']}: term, measured s, predicted s, predicted / measured",
+                  "| term | measured | predicted | ratio |", "|---|---|---|---|"]
+        for name, value in measured.items():
+            guess = predicted.get(name)
+            ratio = f"{guess / value:.2f}" if guess is not None and value > 0 else "-"
+            lines.append(f"| {name} | {value:.3f} | {'-' if guess is None else f'{guess:.3f}'} | {ratio} |")
+    return "\n".join(lines)
 
 
 def markdown(rows: list) -> str:
@@ -126,7 +168,7 @@ def markdown(rows: list) -> str:
                      f"{row['predicted_seconds']:.3f} | {row['ratio']:.2f} | {row['binding']} |")
     worst = max(abs(row["ratio"] - 1) for row in rows)
     lines.append(f"\nlargest error {100 * worst:.0f}% over {len(rows)} runs")
-    return "\n".join(lines)
+    return "\n".join(lines) + terms_markdown(rows)
 
 
 TOLERANCE = 0.2

@@ -4,6 +4,14 @@
     python scripts/bench/ab_bench/ab_bench.py --configs ssd_bound --micro-batch-size 4 --micro-batches 1 4 8 --ranks 1 --out-dir B
     python scripts/bench/saturation_accuracy.py --ab-json A/ab_bench.json B/ab_bench.json [--hardware probe|FILE]
     python scripts/bench/saturation_accuracy.py --run 1 4 16 --out results/saturation.json   # runs the sweep too (~20 min)
+    python scripts/bench/saturation_accuracy.py --run 1 4 --micro-batches 1 4 8 --shapes 448:10:24 640:6:40 \
+        896:5:56 1024:4:16 --out results/shapes.json      # one sweep per shape (hidden:blocks:tokens), ~11 min each
+
+With ``--shapes``, each shape's sweep runs in turn (each micro-batch size's runs, then its predictions),
+then a table of every shape: per engine the measured and ``--saturated``-predicted saturated tokens/s and
+the worst one-rank run; exit status 0 only when every saturated prediction is within 20% and every run's
+step within 25% (issue 33). Each ZeRO-Infinity run's profile (``deepspeed_compat.profile_zero_step``) is
+printed beside the model's terms (``planner_accuracy.terms_markdown``).
 
 Two predictions of the measured sweep, each engine's saturated tokens/s against the measured one:
 
@@ -152,15 +160,15 @@ def plan_markdown(compared: dict, result: dict) -> str:
     return "\n".join(lines)
 
 
-AB_ARGS = ("--quick --configs ssd_bound --hidden 512 --layers 8 --seq-len 32 --ranks 1 --warmup 1 --steps 3 "
-           "--no-plot --no-floors")
+AB_BASE_ARGS = "--quick --configs ssd_bound --ranks 1 --warmup 1 --steps 3 --no-plot --no-floors"
+AB_ARGS = AB_BASE_ARGS + " --hidden 512 --layers 8 --seq-len 32"
 
 
-def run_ab_bench(size: int, args) -> str:
-    """One ab_bench invocation at micro-batch size ``size`` over ``--micro-batches``; its JSON's path."""
-    out = os.path.join(args.out_dir, f"mbs{size}")
-    command = [sys.executable, os.path.join(REPO, "scripts", "bench", "ab_bench", "ab_bench.py"), *args.ab_args.split(),
-               "--micro-batch-size", str(size), "--micro-batches", *map(str, args.micro_batches), "--out-dir", out]
+def run_ab_bench(size: int, ab_args: str, out_dir: str, micro_batches) -> str:
+    """One ab_bench invocation at micro-batch size ``size`` over ``micro_batches``; its JSON's path."""
+    out = os.path.join(out_dir, f"mbs{size}")
+    command = [sys.executable, os.path.join(REPO, "scripts", "bench", "ab_bench", "ab_bench.py"), *ab_args.split(),
+               "--micro-batch-size", str(size), "--micro-batches", *map(str, micro_batches), "--out-dir", out]
     print("$ " + " ".join(command), flush=True)
     subprocess.run(command, cwd=REPO, check=True, stdout=subprocess.DEVNULL)  # each run's log: out/runs/
     return os.path.join(out, "ab_bench.json")
@@ -181,6 +189,64 @@ def merged_plan(plans: list) -> dict:
     return merged
 
 
+class Sweep:
+    """One model's runs and both predictions: every one-rank run predicted with the configuration it ran
+    (``planner_accuracy.predict_runs``) and, unless ``with_plan`` is off, ``plan --saturated`` over the runs'
+    micro-batch sizes and M; with the plan, the per-run predictions use its probe (one probe per JSON)."""
+
+    def __init__(self, hardware: str, nvme_path: str, with_plan: bool):
+        self.hardware, self.nvme_path, self.with_plan = hardware, nvme_path, with_plan
+        self.measured, self.predicted, self.per_json, self.plans = [], [], [], []
+
+    def add(self, path: str, report: dict, plan=None) -> None:
+        from planner_accuracy import markdown as rows_markdown, predict_runs
+        recorded = None
+        if plan is not None:
+            from ds_greedysnake.planner import hardware_from_dict
+            recorded = {name: hardware_from_dict(plan["hardware"]) for name in report["configs"]}
+        rows, hardware = predict_runs(report, self.hardware, self.nvme_path, recorded=recorded)
+        print(f"{path}:\n{rows_markdown(rows)}", flush=True)
+        more_measured, more_predicted = points_of(report, rows)
+        self.measured.extend(more_measured)
+        self.predicted.extend(more_predicted)
+        self.per_json.append({"ab_json": os.path.abspath(path), "rows": rows, "hardware": hardware})
+
+    def run(self, sizes, ab_args: str, out_dir: str, micro_batches) -> None:
+        """Each size's ab_bench runs, then its predictions, probed right after they ran."""
+        for size in sizes:
+            path = run_ab_bench(size, ab_args, out_dir, micro_batches)
+            with open(path) as handle:
+                report = json.load(handle)
+            plan = plan_saturated([report], self.nvme_path) if self.with_plan else None
+            if plan is not None:
+                self.plans.append(plan)
+            self.add(path, report, plan)
+
+    def verdict(self):
+        """(result, compared with the plan or None, whether every saturated prediction is within TOLERANCE,
+        the largest per-run error)."""
+        result = compare(self.measured, self.predicted)
+        within = lambda ratio: 1 - TOLERANCE <= ratio <= 1 + TOLERANCE  # noqa: E731
+        ok = all(within(curves["plateau_ratio"]) for curves in result.values())
+        compared = None
+        if self.plans:
+            compared = against_plan(merged_plan(self.plans), result)
+            ok = ok and all(within(entry["plateau_ratio"]) for entry in compared.values())
+        worst = max(abs(row["ratio"] - 1) for entry in self.per_json for row in entry["rows"])
+        return result, compared, ok, worst
+
+
+def parse_shape(text: str) -> dict:
+    """HIDDEN:LAYERS:SEQ_LEN -> ab_bench's overrides."""
+    try:
+        hidden, layers, seq_len = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shapes takes HIDDEN:LAYERS:SEQ_LEN (e.g. 640:6:40), got {text!r}") from None
+    if min(hidden, layers, seq_len) < 1:
+        raise argparse.ArgumentTypeError(f"--shapes {text!r}: every number must be positive")
+    return {"hidden": hidden, "layers": layers, "seq_len": seq_len}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
@@ -188,6 +254,9 @@ def main(argv=None):
     source.add_argument("--run", type=int, nargs="+", metavar="MBS",
                         help="run the sweep here: one ab_bench per micro-batch size, each predicted right after it "
                              "ran (this machine's speed drifts by 10-20%% within half an hour)")
+    parser.add_argument("--shapes", type=parse_shape, nargs="+", default=None, metavar="H:L:S",
+                        help="with --run: one sweep per model shape (hidden:blocks:tokens per sequence, ab_bench's "
+                             "ssd_bound otherwise), each its own verdict; per-run steps must be within 25%%")
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="with --run: the M")
     parser.add_argument("--ab-args", default=AB_ARGS, help="with --run: ab_bench's other arguments")
     parser.add_argument("--out-dir", default=os.path.join(REPO, "results", "saturation"), help="with --run")
@@ -196,52 +265,91 @@ def main(argv=None):
     parser.add_argument("--no-plan", action="store_true", help="skip the --saturated sweep (per-run predictions only)")
     parser.add_argument("--out", default=None, help="write the curves, rows and probes as JSON here")
     args = parser.parse_args(argv)
-    from planner_accuracy import markdown as rows_markdown, predict_runs
+    if args.shapes and not args.run:
+        parser.error("--shapes needs --run MBS ...")
     with_plan = args.hardware == "probe" and not args.no_plan
-    measured, predicted, per_json, plans = [], [], [], []
-
-    def predict(path: str, report: dict) -> None:
-        rows, hardware = predict_runs(report, args.hardware, args.nvme_path)
-        print(f"{path}:\n{rows_markdown(rows)}", flush=True)
-        more_measured, more_predicted = points_of(report, rows)
-        measured.extend(more_measured)
-        predicted.extend(more_predicted)
-        per_json.append({"ab_json": os.path.abspath(path), "rows": rows, "hardware": hardware})
-
+    if args.shapes:
+        os._exit(run_shapes(args, with_plan))
+    sweep = Sweep(args.hardware, args.nvme_path, with_plan)
     if args.run:
-        for size in args.run:  # each size's predictions probe the machine right after its runs
-            path = run_ab_bench(size, args)
-            with open(path) as handle:
-                report = json.load(handle)
-            if with_plan:
-                plans.append(plan_saturated([report], args.nvme_path))
-            predict(path, report)
-        plan = merged_plan(plans) if plans else None
+        sweep.run(args.run, args.ab_args, args.out_dir, args.micro_batches)
     else:
         reports = []
         for path in args.ab_json:
             with open(path) as handle:
                 reports.append(json.load(handle))
-        plan = plan_saturated(reports, args.nvme_path) if with_plan else None
+        if with_plan:
+            sweep.plans.append(plan_saturated(reports, args.nvme_path))
         for path, report in zip(args.ab_json, reports):
-            predict(path, report)
-    result = compare(measured, predicted)
+            sweep.add(path, report)
+    result, compared, ok, _ = sweep.verdict()
     print(markdown(result))
-    within = lambda ratio: 1 - TOLERANCE <= ratio <= 1 + TOLERANCE  # noqa: E731
-    verdict = all(within(curves["plateau_ratio"]) for curves in result.values())
-    compared = None
-    if plan is not None:
-        compared = against_plan(plan, result)
+    if compared is not None:
         print(plan_markdown(compared, result))
-        verdict = verdict and all(within(entry["plateau_ratio"]) for entry in compared.values())
     print(f"\nevery engine's predicted saturated tokens/s within {100 * TOLERANCE:.0f}% of the measured "
-          f"({'--saturated and ' if plan is not None else ''}per run): {'yes' if verdict else 'NO'}")
+          f"({'--saturated and ' if compared is not None else ''}per run): {'yes' if ok else 'NO'}")
     if args.out:
         with open(args.out, "w") as handle:
-            json.dump({"engines": result, "runs": per_json, "plan_saturated": plan, "against_plan": compared},
-                      handle, indent=1)
+            json.dump({"engines": result, "runs": sweep.per_json, "plan_saturated": merged_plan(sweep.plans)
+                       if sweep.plans else None, "against_plan": compared}, handle, indent=1)
     sys.stdout.flush()
-    os._exit(0 if verdict else 1)  # DeepSpeed's native threads have aborted at interpreter exit here
+    os._exit(0 if ok else 1)  # DeepSpeed's native threads have aborted at interpreter exit here
+
+
+RUN_TOLERANCE = 0.25
+
+
+def run_shapes(args, with_plan: bool) -> int:
+    """Every shape's sweep in turn, each shape's tables as it ends, then one summary table: per shape and
+    engine, the saturated tokens/s measured and predicted (``--saturated``) and the largest per-run error.
+    Exit status 0 only when every saturated prediction is within 20% and every run within 25%."""
+    summary, everything, all_ok = [], [], True
+    for shape in args.shapes:
+        label = f"hidden {shape['hidden']}, {shape['layers']} blocks, {shape['seq_len']} tokens"
+        print(f"\n## {label}", flush=True)
+        base = AB_BASE_ARGS if args.ab_args == AB_ARGS else args.ab_args
+        ab_args = f"{base} --hidden {shape['hidden']} --layers {shape['layers']} --seq-len {shape['seq_len']}"
+        out_dir = os.path.join(args.out_dir, f"h{shape['hidden']}_l{shape['layers']}_s{shape['seq_len']}")
+        sweep = Sweep(args.hardware, args.nvme_path, with_plan)
+        sweep.run(args.run, ab_args, out_dir, args.micro_batches)
+        result, compared, ok, _ = sweep.verdict()
+        print(markdown(result))
+        if compared is not None:
+            print(plan_markdown(compared, result))
+        for engine, curves in result.items():
+            rows = [row for entry in sweep.per_json for row in entry["rows"] if row["engine"] == engine]
+            worst = max(rows, key=lambda row: abs(row["ratio"] - 1))
+            plan_ratio = compared[engine]["plateau_ratio"] if compared else None
+            summary.append({"shape": label, "engine": engine,
+                            "measured": curves["measured"]["plateau"], "per_run_ratio": curves["plateau_ratio"],
+                            "plan": compared[engine]["plan_plateau"] if compared else None, "plan_ratio": plan_ratio,
+                            "worst_run": {k: worst[k] for k in ("micro_batches", "measured_seconds",
+                                                                 "predicted_seconds", "ratio", "binding")},
+                            "worst_run_size": next(entry for entry in sweep.per_json if worst in entry["rows"])
+                            ["ab_json"]})
+            all_ok = all_ok and abs(worst["ratio"] - 1) <= RUN_TOLERANCE
+        all_ok = all_ok and ok
+        everything.append({"shape": shape, "engines": result, "runs": sweep.per_json,
+                           "plan_saturated": merged_plan(sweep.plans) if sweep.plans else None,
+                           "against_plan": compared})
+    print("\n## Every shape\n")
+    print("| shape | engine | measured saturated tokens/s (micro-batch x M) | --saturated predicted (micro-batch x M) "
+          "| predicted / measured | worst run: M, measured / predicted s, ratio (binds) |")
+    print("|---|---|---|---|---|---|")
+    for item in summary:
+        m, p, w = item["measured"], item["plan"], item["worst_run"]
+        planned = (f"{p['tokens_per_second']:.1f} ({p['micro_batch_size']} x {p['micro_batches']})" if p else "-")
+        ratio = f"{item['plan_ratio']:.2f}" if item["plan_ratio"] is not None else f"{item['per_run_ratio']:.2f}"
+        print(f"| {item['shape']} | {item['engine']} | {m['tokens_per_second']:.1f} ({m['micro_batch_size']} x "
+              f"{m['micro_batches']}) | {planned} | {ratio} | M={w['micro_batches']}, {w['measured_seconds']:.3f} / "
+              f"{w['predicted_seconds']:.3f}, {w['ratio']:.2f} ({w['binding']}) |")
+    print(f"\nevery saturated prediction within {100 * TOLERANCE:.0f}% and every run within "
+          f"{100 * RUN_TOLERANCE:.0f}%: {'yes' if all_ok else 'NO'}", flush=True)
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump({"shapes": everything, "summary": summary}, handle, indent=1)
+    sys.stdout.flush()
+    return 0 if all_ok else 1
 
 
 if __name__ == "__main__":

@@ -60,3 +60,12 @@ def test_op_builds_read_torch_arch_suffixes_as_deepspeed_can(monkeypatch):
         assert deepspeed_compat.builder_arch_list(value) == read
         monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", deepspeed_compat.builder_arch_list(value))
         builder.compute_capability_args()  # no ValueError
+
+
+def test_a_profiled_zero_3_method_that_disappears_is_named(monkeypatch):
+    """The planner's ZeRO-3 profile (profile_zero_step) wraps stage 3's methods by name: a release without one
+    fails here, naming it, not as a silently empty profile."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    monkeypatch.delattr(DeepSpeedZeroOptimizer_Stage3, "_optimizer_step")
+    with pytest.raises(deepspeed_compat.DeepSpeedInternalsError, match="_optimizer_step"):
+        deepspeed_compat.check_deepspeed_internals()

@@ -29,7 +29,10 @@ ENTRY_POINTS: Dict[str, Set[str]] = {
     "settings.py": {"*"},                # the one reader
     "config.py": {"parse_greedysnake_config", "check_ds_config"},  # the block's parser, the checks at initialize
     "deepspeed_compat.py": {"aio_settings", "parsed_ds_config"},   # DeepSpeed's own parsers (its internals)
-    "planner/cli.py": {"_load_settings"},  # the planner's CLI
+    # The planner's CLI; its probe hands the whole dict to DeepSpeed's own engine for the ZeRO-3 probe, which
+    # runs ZeRO-Infinity as the user's config would (as initialize hands DeepSpeed its dict).
+    "planner/cli.py": {"_load_settings", "_hardware"},
+    "planner/zero_probe.py": {"*"},
     # Trainer's and accelerate's way in: accelerate's dict is checked before initialize gets it.
     "hf/hf_trainer.py": {"greedysnake_enabled", "_ds_config", "_refuse_unsupported"},
     "hf/accelerate_prepare.py": {"prepare"},

@@ -27,14 +27,23 @@ def _copy_into_partitioned(model, same) -> None:
             param.data.copy_(value.data)
 
 
+def _mean_of(steps: list, key: str) -> dict:
+    """Each name's mean over ``steps`` of the per-step dicts ``step[key]``."""
+    means = {}
+    for step in steps:
+        for name, seconds in step[key].items():
+            means[name] = means.get(name, 0.0) + seconds / len(steps)
+    return means
+
+
 def run_engine(spec: dict) -> dict:
     print(f"{time.strftime('%H:%M:%S')} importing", flush=True)
     import torch
     import deepspeed
-    from torch import nn
 
     import ds_greedysnake
-    from ds_greedysnake.deepspeed_compat import count_zero_param_swap_reads
+    from ds_greedysnake.deepspeed_compat import (count_zero_param_swap_reads, profile_zero_step, time_engine_phases,
+                                                 zero_checkpointed_gpt)
     from ds_greedysnake.models.gpt import build_gpt, lm_loss, micro_batches, synthetic_corpus
 
     print(f"{time.strftime('%H:%M:%S')} imported", flush=True)
@@ -49,17 +58,6 @@ def run_engine(spec: dict) -> dict:
     torch.manual_seed(spec["seed"])
     lora = bool(model_spec.get("lora_rank"))
     if engine_name == "zero_infinity":
-        class CheckpointedGPT(nn.Sequential):
-            """[embedding, blocks..., head] with DeepSpeed's activation checkpointing around each block,
-            so the baseline recomputes in backward as greedysnake does. torch.utils.checkpoint gives
-            wrong gradients with NVMe parameters on DeepSpeed 0.19.8 (docs/zero_infinity.md)."""
-
-            def forward(self, token_ids):
-                hidden = self[0](token_ids)
-                for block in list(self)[1:-1]:
-                    hidden = deepspeed.checkpointing.checkpoint(block, hidden)
-                return self[-1](hidden)
-
         from deepspeed.accelerator import get_accelerator
         if lora:
             # PEFT imported first: zero.Init patches torch.Tensor.__new__, and torch._dynamo (which PEFT imports)
@@ -72,7 +70,7 @@ def run_engine(spec: dict) -> dict:
             deepspeed.checkpointing.configure(None, deepspeed_config=ds)
         same = add_lora(build_gpt(gpt), model_spec)  # what greedysnake trains, from the same seed, on the host
         with deepspeed.zero.Init(config_dict_or_path=ds):
-            model = add_lora(build_gpt(gpt), model_spec) if lora else CheckpointedGPT(*build_gpt(gpt))
+            model = add_lora(build_gpt(gpt), model_spec) if lora else zero_checkpointed_gpt(build_gpt(gpt))
         # Both engines train one model: copy the host-built values in. Under zero.Init PEFT's initialisation of
         # an adapter (lora_B zeroed) reaches only an empty partition, and on a GPU every parameter is drawn from
         # the device's generator (the H200's first A/B, 2026-12-04: step-1 losses 7.750 and 7.838).
@@ -99,7 +97,9 @@ def run_engine(spec: dict) -> dict:
         window_start = time.monotonic()
         started = time.perf_counter()
         if engine_name == "zero_infinity":
-            with count_zero_param_swap_reads() as counter:
+            phase_seconds = {}
+            with count_zero_param_swap_reads() as counter, profile_zero_step() as profile, \
+                    time_engine_phases(engine, phase_seconds, m):
                 loss = float(engine.train_batch(batches))
         else:
             loss = float(engine.train_batch(batches))
@@ -111,7 +111,8 @@ def run_engine(spec: dict) -> dict:
                   "proc_read_bytes": io_after["read_bytes"] - io_before["read_bytes"],
                   "proc_write_bytes": io_after["write_bytes"] - io_before["write_bytes"]}
         if engine_name == "zero_infinity":
-            record.update(param_read_bytes=counter.bytes, param_reads=counter.reads,
+            record.update(param_read_bytes=counter.bytes, param_reads=counter.reads, seconds_by_phase=phase_seconds,
+                          seconds_by_op=dict(profile.seconds), calls_by_op=dict(profile.calls),
                           # No aio-layer counters for the optimizer swapper: the process's I/O is the total.
                           ssd_read_bytes=record["proc_read_bytes"], ssd_write_bytes=record["proc_write_bytes"])
         else:
@@ -157,17 +158,17 @@ def run_engine(spec: dict) -> dict:
     }
     if floors is not None:
         result["floors"] = floors
+    if engine_name == "zero_infinity":  # the profile the planner's ZeRO-Infinity terms are checked against
+        result["seconds_by_op_mean"] = _mean_of(measured, "seconds_by_op")
+        result["seconds_by_phase_mean"] = _mean_of(measured, "seconds_by_phase")
+        result["calls_by_op"] = measured[-1]["calls_by_op"]
     if engine_name == "greedysnake":
         # Parameters whose optimizer states stay in host memory (optimizer_host_memory_mb): no SSD bytes.
         result["host_state_parameters"] = sum(layer.numel for layer in engine.layers
                                               if engine.optimizer.states_in_host_memory(layer))
         result["worker_read_bytes_per_step"] = median("worker_read_bytes")
         result["worker_write_bytes_per_step"] = median("worker_write_bytes")
-        ops = {}
-        for s in measured:
-            for op, secs in s["seconds_by_op"].items():
-                ops[op] = ops.get(op, 0.0) + secs / len(measured)
-        result["seconds_by_op_mean"] = ops
+        result["seconds_by_op_mean"] = _mean_of(measured, "seconds_by_op")
         result["optimizer_seconds_mean"] = statistics.mean(s["optimizer_seconds"] for s in measured)
         result["optimizer_wait_seconds_mean"] = statistics.mean(s["optimizer_wait_seconds"] for s in measured)
         # Cross-check: the aio counters against this process's I/O plus the worker's aio counters.

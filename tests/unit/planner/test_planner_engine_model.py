@@ -2,7 +2,8 @@
 costs, and the training compute sharing the CPU's cores with the optimizer worker."""
 import pytest
 
-from ds_greedysnake.planner.cost_model import HorizontalSettings, Rates, Workload, evaluate
+from ds_greedysnake.planner.cost_model import Rates, Workload, evaluate
+from ds_greedysnake.planner.zero_model import HorizontalSettings
 from ds_greedysnake.planner.engine_model import (EngineSettings, engine_phases, layers_updated_after_decision,
                                                  optimizer_host_layers, slot_bytes)
 from ds_greedysnake.planner.errors import PlannerError

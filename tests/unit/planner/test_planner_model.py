@@ -3,8 +3,8 @@ import itertools
 
 import pytest
 
-from ds_greedysnake.planner.cost_model import (HorizontalSettings, Linear, Workload, evaluate, horizontal_phases,
-                                               ideal_vertical_phases, on_ssd)
+from ds_greedysnake.planner.cost_model import Linear, Workload, evaluate, ideal_vertical_phases, on_ssd
+from ds_greedysnake.planner.zero_model import HorizontalSettings, horizontal_phases
 from ds_greedysnake.planner.engine_model import EngineSettings, engine_phases
 from ds_greedysnake.planner.errors import PlannerError
 from ds_greedysnake.planner.hardware import Hardware, LayerTimes

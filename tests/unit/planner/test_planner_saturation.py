@@ -7,7 +7,8 @@ import random
 import pytest
 
 from ds_greedysnake.planner import cli as plan_cli
-from ds_greedysnake.planner.cost_model import HorizontalSettings, Workload, evaluate, horizontal_phases
+from ds_greedysnake.planner.cost_model import Workload, evaluate
+from ds_greedysnake.planner.zero_model import HorizontalSettings, horizontal_phases
 from ds_greedysnake.planner.data_parallel import add_collectives, per_rank_hardware, sharded_shape
 from ds_greedysnake.planner.device_memory import (greedysnake_device_bytes, persistent_elements,
                                                   zero_infinity_device_bytes)
@@ -333,11 +334,13 @@ def test_the_probe_times_each_further_micro_batch_size_it_can_build_and_no_other
     from ds_greedysnake.planner.probe import probe_more_workloads, timeable
     shape = GPTShape("tiny", num_blocks=1, hidden=32, heads=2, vocab=64, seq_len=8)
     workload = Workload(shape, 1, 1, 4, 4)
-    timed = probe_more_workloads(workload, [1, 2, 3], torch.device("cpu"), repeats=3)
+    timed = probe_more_workloads(workload, [1, 2, 3], torch.device("cpu"), settings_from_ds_config({}), repeats=3)
     assert sorted(timed) == sorted(Workload(shape, size, 1, 4, 4).compute_key() for size in (2, 3))
     for times in timed.values():
         assert set(times.layer_times) == {"embedding", "block", "head"}
         assert all(t.forward_s > 0 and t.forward_backward_s > 0 for t in times.layer_times.values())
+        # The engine's training threads and the worker beside them, each a slow-down of at least 1.
+        assert times.engine_threads_slowdown >= 1 and times.compute_slowdown_sharing_cores >= 1
     # A working set of several GiB (GPT-65B's head at 64 x 2048 tokens) is not built: FLOP/s instead.
     assert not timeable(Workload(named_shape("gpt-65b"), 64, 1, 2, 2))
     assert timeable(workload)
