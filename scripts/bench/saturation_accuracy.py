@@ -7,6 +7,10 @@
     python scripts/bench/saturation_accuracy.py --run 1 4 --micro-batches 1 4 8 --shapes 448:10:24 640:6:40 \
         896:5:56 1024:4:16 --out results/shapes.json      # one sweep per shape (hidden:blocks:tokens), ~11 min each
 
+With ``--run``, the machine is probed (``plan --saturated``) right before and right after each micro-batch
+size's runs, and every prediction is the geometric mean of the two probes' (``--probe-after-only``: the
+probe after alone, as before 2026-12-05; both are printed).
+
 With ``--shapes``, each shape's sweep runs in turn (each micro-batch size's runs, then its predictions),
 then a table of every shape: per engine the measured and ``--saturated``-predicted saturated tokens/s and
 the worst one-rank run; exit status 0 only when every saturated prediction is within 20% and every run's
@@ -34,6 +38,7 @@ prediction is outside 0.8-1.2. A benchmark, never a test: the machine's rates dr
 """
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -189,38 +194,117 @@ def merged_plan(plans: list) -> dict:
     return merged
 
 
+def report_before_runs(size: int, ab_args: str, micro_batches) -> dict:
+    """What ``plan_saturated`` reads of an ab_bench report, before its runs: the configurations and the
+    greedysnake runs' ds_configs, built as ab_bench builds them."""
+    sys.path.insert(0, os.path.join(REPO, "scripts", "bench", "ab_bench"))
+    import ab_bench
+    from ab_bench_setup import ds_config, largest_param_numel
+    args = ab_bench.parse_args([*ab_args.split(), "--micro-batch-size", str(size),
+                                "--micro-batches", *map(str, micro_batches)])
+    configs = ab_bench.configs_of(args)
+    runs = [{"engine": "greedysnake", "config": name, "micro_batch_size": spec["micro_batch_size"], "micro_batches": m,
+             "world_size": 1, "ds_config": ds_config(args.nvme_path, spec["micro_batch_size"], m, True,
+                                                      largest_param_numel(spec))}
+            for name, spec in configs.items() for m in ab_bench.sweep_of(args)]
+    return {"configs": configs, "runs": runs}
+
+
+def recorded_hardware(report: dict, plan):
+    """config name -> the Hardware of ``plan``'s probe (None without a plan: ``predict_runs`` probes)."""
+    if plan is None:
+        return None
+    from ds_greedysnake.planner import hardware_from_dict
+    return {name: hardware_from_dict(plan["hardware"]) for name in report["configs"]}
+
+
+def bracketed_row(before: dict, after: dict) -> dict:
+    """One run's row predicted from the probes before and after it: the geometric mean of the two step
+    times (the phases, terms and bindings shown are the later probe's); both kept."""
+    assert (before["engine"], before["micro_batches"]) == (after["engine"], after["micro_batches"])
+    seconds = math.sqrt(before["predicted_seconds"] * after["predicted_seconds"])
+    binding = after["binding"] if before["binding"] == after["binding"] else f"{before['binding']} / {after['binding']}"
+    return dict(after, predicted_seconds=seconds, ratio=seconds / after["measured_seconds"], binding=binding,
+                predicted_seconds_before=before["predicted_seconds"], predicted_seconds_after=after["predicted_seconds"],
+                ratio_after=after["ratio"])
+
+
+def drift_markdown(rows: list) -> str:
+    lines = ["| M | engine | measured s | predicted s, probe before / after | before / after | predicted / measured:"
+             " after alone, both |", "|---|---|---|---|---|---|"]
+    for row in rows:
+        before, after = row["predicted_seconds_before"], row["predicted_seconds_after"]
+        lines.append(f"| {row['micro_batches']} | {row['engine']} | {row['measured_seconds']:.3f} | {before:.3f} / "
+                     f"{after:.3f} | {before / after:.2f} | {row['ratio_after']:.2f}, {row['ratio']:.2f} |")
+    return "\n".join(lines)
+
+
+def bracketed_plan(before: dict, after: dict) -> dict:
+    """One ``--saturated`` result from the probes before and after a size's runs: each point's step the
+    geometric mean of the two (the same configurations: what fits depends on memory, not on rates)."""
+    combined = {"before": before, "after": after, "hardware": after["hardware"], "saturations": {}}
+    for engine, saturation in after["saturations"].items():
+        earlier = {(p["micro_batch_size"], p["micro_batches"], p["ranks"]): p
+                   for p in before["saturations"][engine]["points"]}
+        points = []
+        for point in saturation["points"]:
+            first = earlier.get((point["micro_batch_size"], point["micro_batches"], point["ranks"]))
+            if first is None:
+                raise SystemExit(f"the probes before and after the runs planned different {engine} configurations: "
+                                 f"{point} only after")
+            seconds = math.sqrt(first["seconds"] * point["seconds"])
+            tokens = point["tokens_per_second"] * point["seconds"]
+            binding = point["binding"] if first["binding"] == point["binding"] else f"{first['binding']} / {point['binding']}"
+            points.append(dict(point, seconds=seconds, tokens_per_second=tokens / seconds, binding=binding))
+        combined["saturations"][engine] = {"points": points}
+    return combined
+
+
 class Sweep:
     """One model's runs and both predictions: every one-rank run predicted with the configuration it ran
     (``planner_accuracy.predict_runs``) and, unless ``with_plan`` is off, ``plan --saturated`` over the runs'
-    micro-batch sizes and M; with the plan, the per-run predictions use its probe (one probe per JSON)."""
+    micro-batch sizes and M; with the plan, the per-run predictions use its probe (one probe per JSON).
+    With ``bracket``, a second ``plan --saturated`` probes the machine right before each size's runs, and
+    each prediction (per run and per point of the sweep) is the geometric mean of the two probes': this
+    machine's disk moved 1.6-2x between probes minutes apart (docs/planner.md), and a run's ten minutes
+    lie between the two."""
 
-    def __init__(self, hardware: str, nvme_path: str, with_plan: bool):
-        self.hardware, self.nvme_path, self.with_plan = hardware, nvme_path, with_plan
+    def __init__(self, hardware: str, nvme_path: str, with_plan: bool, bracket: bool = False):
+        self.hardware, self.nvme_path, self.with_plan, self.bracket = hardware, nvme_path, with_plan, bracket
         self.measured, self.predicted, self.per_json, self.plans = [], [], [], []
 
-    def add(self, path: str, report: dict, plan=None) -> None:
+    def add(self, path: str, report: dict, plan=None, before=None) -> None:
+        """Predict ``report``'s runs with the probe of ``plan`` (or this sweep's hardware); with the probe
+        ``before`` the runs too, each run's prediction is the geometric mean of the two (``bracketed_row``)."""
         from planner_accuracy import markdown as rows_markdown, predict_runs
-        recorded = None
-        if plan is not None:
-            from ds_greedysnake.planner import hardware_from_dict
-            recorded = {name: hardware_from_dict(plan["hardware"]) for name in report["configs"]}
-        rows, hardware = predict_runs(report, self.hardware, self.nvme_path, recorded=recorded)
+        rows, hardware = predict_runs(report, self.hardware, self.nvme_path, recorded=recorded_hardware(report, plan))
+        entry = {"ab_json": os.path.abspath(path), "hardware": hardware}
+        if before is not None:
+            rows_before, entry["hardware_before"] = predict_runs(report, self.hardware, self.nvme_path,
+                                                                 recorded=recorded_hardware(report, before))
+            rows = [bracketed_row(first, last) for first, last in zip(rows_before, rows)]
+            print(f"{path}: the probes before and after the runs\n{drift_markdown(rows)}", flush=True)
         print(f"{path}:\n{rows_markdown(rows)}", flush=True)
         more_measured, more_predicted = points_of(report, rows)
         self.measured.extend(more_measured)
         self.predicted.extend(more_predicted)
-        self.per_json.append({"ab_json": os.path.abspath(path), "rows": rows, "hardware": hardware})
+        entry["rows"] = rows
+        self.per_json.append(entry)
 
     def run(self, sizes, ab_args: str, out_dir: str, micro_batches) -> None:
-        """Each size's ab_bench runs, then its predictions, probed right after they ran."""
+        """Each size's ab_bench runs, then its predictions, probed right after they ran (and, with
+        ``bracket``, right before too)."""
         for size in sizes:
+            before = None
+            if self.with_plan and self.bracket:
+                before = plan_saturated([report_before_runs(size, ab_args, micro_batches)], self.nvme_path)
             path = run_ab_bench(size, ab_args, out_dir, micro_batches)
             with open(path) as handle:
                 report = json.load(handle)
-            plan = plan_saturated([report], self.nvme_path) if self.with_plan else None
-            if plan is not None:
-                self.plans.append(plan)
-            self.add(path, report, plan)
+            after = plan_saturated([report], self.nvme_path) if self.with_plan else None
+            if after is not None:
+                self.plans.append(after if before is None else bracketed_plan(before, after))
+            self.add(path, report, after, before)
 
     def verdict(self):
         """(result, compared with the plan or None, whether every saturated prediction is within TOLERANCE,
@@ -263,6 +347,9 @@ def main(argv=None):
     parser.add_argument("--hardware", default="probe", help="'probe' (once per JSON) or a hardware JSON file")
     parser.add_argument("--nvme-path", default=os.path.join(REPO, ".nvme_swap", "planner_probe"))
     parser.add_argument("--no-plan", action="store_true", help="skip the --saturated sweep (per-run predictions only)")
+    parser.add_argument("--probe-after-only", action="store_true",
+                        help="with --run: probe only after each size's runs (by default also right before them, "
+                             "and each prediction is the geometric mean of the two probes')")
     parser.add_argument("--out", default=None, help="write the curves, rows and probes as JSON here")
     args = parser.parse_args(argv)
     if args.shapes and not args.run:
@@ -270,7 +357,7 @@ def main(argv=None):
     with_plan = args.hardware == "probe" and not args.no_plan
     if args.shapes:
         os._exit(run_shapes(args, with_plan))
-    sweep = Sweep(args.hardware, args.nvme_path, with_plan)
+    sweep = Sweep(args.hardware, args.nvme_path, with_plan, bracket=not args.probe_after_only)
     if args.run:
         sweep.run(args.run, args.ab_args, args.out_dir, args.micro_batches)
     else:
@@ -310,7 +397,7 @@ def run_shapes(args, with_plan: bool) -> int:
         base = AB_BASE_ARGS if args.ab_args == AB_ARGS else args.ab_args
         ab_args = f"{base} --hidden {shape['hidden']} --layers {shape['layers']} --seq-len {shape['seq_len']}"
         out_dir = os.path.join(args.out_dir, f"h{shape['hidden']}_l{shape['layers']}_s{shape['seq_len']}")
-        sweep = Sweep(args.hardware, args.nvme_path, with_plan)
+        sweep = Sweep(args.hardware, args.nvme_path, with_plan, bracket=not args.probe_after_only)
         sweep.run(args.run, ab_args, out_dir, args.micro_batches)
         result, compared, ok, _ = sweep.verdict()
         print(markdown(result))
@@ -327,6 +414,10 @@ def run_shapes(args, with_plan: bool) -> int:
                                                                  "predicted_seconds", "ratio", "binding")},
                             "worst_run_size": next(entry for entry in sweep.per_json if worst in entry["rows"])
                             ["ab_json"]})
+            summary[-1]["runs_outside"] = sum(abs(row["ratio"] - 1) > RUN_TOLERANCE for row in rows)
+            summary[-1]["runs_outside_after_probe_alone"] = (sum(abs(row["ratio_after"] - 1) > RUN_TOLERANCE for row in rows)
+                                                              if all("ratio_after" in row for row in rows) else None)
+            summary[-1]["runs"] = len(rows)
             all_ok = all_ok and abs(worst["ratio"] - 1) <= RUN_TOLERANCE
         all_ok = all_ok and ok
         everything.append({"shape": shape, "engines": result, "runs": sweep.per_json,
@@ -334,15 +425,17 @@ def run_shapes(args, with_plan: bool) -> int:
                            "against_plan": compared})
     print("\n## Every shape\n")
     print("| shape | engine | measured saturated tokens/s (micro-batch x M) | --saturated predicted (micro-batch x M) "
-          "| predicted / measured | worst run: M, measured / predicted s, ratio (binds) |")
-    print("|---|---|---|---|---|---|")
+          "| predicted / measured | worst run: M, measured / predicted s, ratio (binds) | runs outside 25% "
+          "(the probe after alone) |")
+    print("|---|---|---|---|---|---|---|")
     for item in summary:
         m, p, w = item["measured"], item["plan"], item["worst_run"]
         planned = (f"{p['tokens_per_second']:.1f} ({p['micro_batch_size']} x {p['micro_batches']})" if p else "-")
         ratio = f"{item['plan_ratio']:.2f}" if item["plan_ratio"] is not None else f"{item['per_run_ratio']:.2f}"
         print(f"| {item['shape']} | {item['engine']} | {m['tokens_per_second']:.1f} ({m['micro_batch_size']} x "
               f"{m['micro_batches']}) | {planned} | {ratio} | M={w['micro_batches']}, {w['measured_seconds']:.3f} / "
-              f"{w['predicted_seconds']:.3f}, {w['ratio']:.2f} ({w['binding']}) |")
+              f"{w['predicted_seconds']:.3f}, {w['ratio']:.2f} ({w['binding']}) | {item['runs_outside']} of "
+              f"{item['runs']} ({'-' if item['runs_outside_after_probe_alone'] is None else item['runs_outside_after_probe_alone']}) |")
     print(f"\nevery saturated prediction within {100 * TOLERANCE:.0f}% and every run within "
           f"{100 * RUN_TOLERANCE:.0f}%: {'yes' if all_ok else 'NO'}", flush=True)
     if args.out:

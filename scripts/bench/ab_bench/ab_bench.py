@@ -196,9 +196,8 @@ def runs_in_order(configs: dict, sweep: list, args):
                 yield name, model_spec, m, world_size, engine, busy
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    began = time.time()
+def configs_of(args) -> dict:
+    """config name -> model spec of the configurations ``args`` runs, their overrides applied."""
     base = QUICK_CONFIGS if args.quick else CONFIGS
     configs = {name: dict(base[name]) for name in (args.configs or DEFAULT_CONFIGS)}
     for spec in configs.values():
@@ -206,7 +205,19 @@ def main(argv=None):
                            ("seq_len", args.seq_len)):
             if value is not None:
                 spec[key] = value
-    sweep = args.micro_batches or ([1, 4] if args.quick else [1, 2, 4, 8])
+    return configs
+
+
+def sweep_of(args) -> list:
+    """The M ``args`` runs."""
+    return args.micro_batches or ([1, 4] if args.quick else [1, 2, 4, 8])
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    began = time.time()
+    configs = configs_of(args)
+    sweep = sweep_of(args)
     if args.trace and ("greedysnake" not in args.engines
                        or not any(world_size == 1 for *_, world_size in cells(configs, sweep, args))):
         raise SystemExit(f"--trace {args.trace}: only a greedysnake run on one rank is traced, and this invocation "

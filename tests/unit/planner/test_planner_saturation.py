@@ -260,6 +260,61 @@ def test_measured_runs_reduce_as_the_sweep_does():
     assert "saturated ratio greedysnake / ZeRO-Infinity: measured" in saturation_accuracy.markdown(result)
 
 
+def _saturation_accuracy():
+    import sys
+    sys.path.insert(0, os.path.join(REPO, "scripts", "bench"))
+    import saturation_accuracy
+    return saturation_accuracy
+
+
+def test_a_run_between_two_probes_is_predicted_at_the_geometric_mean_of_theirs():
+    """saturation_accuracy's bracketing: the probe before and the probe after a size's runs."""
+    bracket = _saturation_accuracy()
+    before = {"engine": "greedysnake", "micro_batches": 4, "measured_seconds": 2.0, "predicted_seconds": 1.0,
+              "ratio": 0.5, "binding": "SSD"}
+    after = dict(before, predicted_seconds=4.0, ratio=2.0, binding="compute")
+    row = bracket.bracketed_row(before, after)
+    assert row["predicted_seconds"] == pytest.approx(2.0) and row["ratio"] == pytest.approx(1.0)
+    assert (row["predicted_seconds_before"], row["predicted_seconds_after"], row["ratio_after"]) == (1.0, 4.0, 2.0)
+    assert row["binding"] == "SSD / compute"
+    assert bracket.bracketed_row(before, dict(before, predicted_seconds=1.0))["binding"] == "SSD"
+    assert "| 4 | greedysnake | 2.000 | 1.000 / 4.000 | 0.25 | 2.00, 1.00 |" in bracket.drift_markdown([row])
+    with pytest.raises(AssertionError):
+        bracket.bracketed_row(before, dict(after, micro_batches=8))
+
+    point = lambda m, seconds, binding="SSD": {"engine": "x", "micro_batch_size": 2, "micro_batches": m,  # noqa: E731
+                                              "ranks": 1, "seconds": seconds, "tokens_per_second": 64 * m / seconds,
+                                              "binding": binding}
+    plan = lambda *points: {"hardware": {}, "saturations": {"x": {"points": list(points)}}}  # noqa: E731
+    combined = bracket.bracketed_plan(plan(point(1, 1.0), point(4, 2.0)), plan(point(1, 4.0, "Adam"), point(4, 2.0)))
+    first, second = combined["saturations"]["x"]["points"]
+    assert (first["seconds"], first["tokens_per_second"], first["binding"]) == (pytest.approx(2.0), pytest.approx(32.0),
+                                                                                "SSD / Adam")
+    assert second["seconds"] == pytest.approx(2.0) and second["binding"] == "SSD"
+    merged = bracket.merged_plan([combined])
+    assert merged["saturations"]["x"]["plateau"]["micro_batches"] == 4
+    with pytest.raises(SystemExit, match="planned different x configurations"):
+        bracket.bracketed_plan(plan(point(1, 1.0)), plan(point(1, 1.0), point(8, 1.0)))
+
+
+def test_the_probe_before_the_runs_plans_the_ds_config_ab_bench_will_run():
+    """The probe before a size's runs is given the configurations and ds_config ab_bench builds for them."""
+    bracket = _saturation_accuracy()
+    args = bracket.AB_BASE_ARGS + " --hidden 640 --layers 6 --seq-len 40"
+    report = bracket.report_before_runs(4, args, [1, 8])
+    import ab_bench_setup  # on the path once report_before_runs has run
+    spec = dict(ab_bench_setup.QUICK_CONFIGS["ssd_bound"], hidden=640, layers=6, seq_len=40, micro_batch_size=4)
+    assert report["configs"] == {"ssd_bound": spec}
+    assert [(run["engine"], run["micro_batch_size"], run["micro_batches"]) for run in report["runs"]] == [
+        ("greedysnake", 4, 1), ("greedysnake", 4, 8)]
+    built = ab_bench_setup.ds_config("/x", 4, 8, True, ab_bench_setup.largest_param_numel(spec))
+    planned = report["runs"][1]["ds_config"]
+    for config in (built, planned):
+        for section in ("offload_param", "offload_optimizer"):
+            config["zero_optimization"][section].pop("nvme_path")
+    assert planned == built
+
+
 @pytest.mark.parametrize("dtype_bytes", [4, 2])
 def test_the_working_set_estimate_matches_what_autograd_keeps_for_the_built_gpt(dtype_bytes):
     """What the built GPT's block and head keep for backward (autograd's saved tensors, counted once per
