@@ -4,8 +4,8 @@
     python scripts/bench/ab_bench/ab_bench.py --configs ssd_bound --micro-batch-size 4 --micro-batches 1 4 8 --ranks 1 --out-dir B
     python scripts/bench/saturation_accuracy.py --ab-json A/ab_bench.json B/ab_bench.json [--hardware probe|FILE]
     python scripts/bench/saturation_accuracy.py --run 1 4 16 --out results/saturation.json   # runs the sweep too (~20 min)
-    python scripts/bench/saturation_accuracy.py --run 1 4 --micro-batches 1 4 8 --shapes 448:10:24 640:6:40 \
-        896:5:56 1024:4:16 --out results/shapes.json      # one sweep per shape (hidden:blocks:tokens), ~11 min each
+    python scripts/bench/saturation_accuracy.py --run 1 4 --micro-batches 1 4 8 --shapes 384:12:64 576:8:16 \
+        704:6:48 960:4:32 --out results/shapes.json      # one sweep per shape (hidden:blocks:tokens), ~9 min each
 
 With ``--run``, the machine is probed (``plan --saturated``) right before and right after each micro-batch
 size's runs, and every prediction is the geometric mean of the two probes' (``--probe-after-only``: the
