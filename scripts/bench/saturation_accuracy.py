@@ -47,6 +47,7 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "scripts", "bench"))
+sys.path.insert(0, os.path.join(REPO, "scripts", "bench", "ab_bench"))  # report_before_runs builds as ab_bench does
 
 TOLERANCE = 0.2
 
@@ -197,7 +198,6 @@ def merged_plan(plans: list) -> dict:
 def report_before_runs(size: int, ab_args: str, micro_batches) -> dict:
     """What ``plan_saturated`` reads of an ab_bench report, before its runs: the configurations and the
     greedysnake runs' ds_configs, built as ab_bench builds them."""
-    sys.path.insert(0, os.path.join(REPO, "scripts", "bench", "ab_bench"))
     import ab_bench
     from ab_bench_setup import ds_config, largest_param_numel
     args = ab_bench.parse_args([*ab_args.split(), "--micro-batch-size", str(size),
@@ -218,13 +218,18 @@ def recorded_hardware(report: dict, plan):
     return {name: hardware_from_dict(plan["hardware"]) for name in report["configs"]}
 
 
+def _both_bindings(before: str, after: str) -> str:
+    """What bound under the probe before and the probe after: one name when they agree."""
+    return after if before == after else f"{before} / {after}"
+
+
 def bracketed_row(before: dict, after: dict) -> dict:
     """One run's row predicted from the probes before and after it: the geometric mean of the two step
     times (the phases, terms and bindings shown are the later probe's); both kept."""
     assert (before["engine"], before["micro_batches"]) == (after["engine"], after["micro_batches"])
     seconds = math.sqrt(before["predicted_seconds"] * after["predicted_seconds"])
-    binding = after["binding"] if before["binding"] == after["binding"] else f"{before['binding']} / {after['binding']}"
-    return dict(after, predicted_seconds=seconds, ratio=seconds / after["measured_seconds"], binding=binding,
+    return dict(after, predicted_seconds=seconds, ratio=seconds / after["measured_seconds"],
+                binding=_both_bindings(before["binding"], after["binding"]),
                 predicted_seconds_before=before["predicted_seconds"], predicted_seconds_after=after["predicted_seconds"],
                 ratio_after=after["ratio"])
 
@@ -254,8 +259,8 @@ def bracketed_plan(before: dict, after: dict) -> dict:
                                  f"{point} only after")
             seconds = math.sqrt(first["seconds"] * point["seconds"])
             tokens = point["tokens_per_second"] * point["seconds"]
-            binding = point["binding"] if first["binding"] == point["binding"] else f"{first['binding']} / {point['binding']}"
-            points.append(dict(point, seconds=seconds, tokens_per_second=tokens / seconds, binding=binding))
+            points.append(dict(point, seconds=seconds, tokens_per_second=tokens / seconds,
+                               binding=_both_bindings(first["binding"], point["binding"])))
         combined["saturations"][engine] = {"points": points}
     return combined
 
@@ -386,6 +391,14 @@ def main(argv=None):
 RUN_TOLERANCE = 0.25
 
 
+def runs_outside(rows: list, key: str):
+    """How many of ``rows`` have ``key`` (a predicted / measured ratio) outside RUN_TOLERANCE; None where a
+    row has none (``ratio_after``: only with the probe before the runs)."""
+    if not all(key in row for row in rows):
+        return None
+    return sum(abs(row[key] - 1) > RUN_TOLERANCE for row in rows)
+
+
 def run_shapes(args, with_plan: bool) -> int:
     """Every shape's sweep in turn, each shape's tables as it ends, then one summary table: per shape and
     engine, the saturated tokens/s measured and predicted (``--saturated``) and the largest per-run error.
@@ -414,10 +427,8 @@ def run_shapes(args, with_plan: bool) -> int:
                                                                  "predicted_seconds", "ratio", "binding")},
                             "worst_run_size": next(entry for entry in sweep.per_json if worst in entry["rows"])
                             ["ab_json"]})
-            summary[-1]["runs_outside"] = sum(abs(row["ratio"] - 1) > RUN_TOLERANCE for row in rows)
-            summary[-1]["runs_outside_after_probe_alone"] = (sum(abs(row["ratio_after"] - 1) > RUN_TOLERANCE for row in rows)
-                                                              if all("ratio_after" in row for row in rows) else None)
-            summary[-1]["runs"] = len(rows)
+            summary[-1].update(runs=len(rows), runs_outside=runs_outside(rows, "ratio"),
+                               runs_outside_after_probe_alone=runs_outside(rows, "ratio_after"))
             all_ok = all_ok and abs(worst["ratio"] - 1) <= RUN_TOLERANCE
         all_ok = all_ok and ok
         everything.append({"shape": shape, "engines": result, "runs": sweep.per_json,
@@ -430,12 +441,13 @@ def run_shapes(args, with_plan: bool) -> int:
     print("|---|---|---|---|---|---|---|")
     for item in summary:
         m, p, w = item["measured"], item["plan"], item["worst_run"]
+        alone = "-" if item["runs_outside_after_probe_alone"] is None else item["runs_outside_after_probe_alone"]
         planned = (f"{p['tokens_per_second']:.1f} ({p['micro_batch_size']} x {p['micro_batches']})" if p else "-")
         ratio = f"{item['plan_ratio']:.2f}" if item["plan_ratio"] is not None else f"{item['per_run_ratio']:.2f}"
         print(f"| {item['shape']} | {item['engine']} | {m['tokens_per_second']:.1f} ({m['micro_batch_size']} x "
               f"{m['micro_batches']}) | {planned} | {ratio} | M={w['micro_batches']}, {w['measured_seconds']:.3f} / "
               f"{w['predicted_seconds']:.3f}, {w['ratio']:.2f} ({w['binding']}) | {item['runs_outside']} of "
-              f"{item['runs']} ({'-' if item['runs_outside_after_probe_alone'] is None else item['runs_outside_after_probe_alone']}) |")
+              f"{item['runs']} ({alone}) |")
     print(f"\nevery saturated prediction within {100 * TOLERANCE:.0f}% and every run within "
           f"{100 * RUN_TOLERANCE:.0f}%: {'yes' if all_ok else 'NO'}", flush=True)
     if args.out:

@@ -238,11 +238,16 @@ def test_the_paper_settings_hardware_file_states_where_every_number_comes_from()
         hardware_from_dict(data)
 
 
-def test_measured_runs_reduce_as_the_sweep_does():
-    """scripts/bench/saturation_accuracy.py: ab_bench runs and their predictions, through saturation_of."""
+def _saturation_accuracy():
     import sys
     sys.path.insert(0, os.path.join(REPO, "scripts", "bench"))
     import saturation_accuracy
+    return saturation_accuracy
+
+
+def test_measured_runs_reduce_as_the_sweep_does():
+    """scripts/bench/saturation_accuracy.py: ab_bench runs and their predictions, through saturation_of."""
+    saturation_accuracy = _saturation_accuracy()
     runs, rows = [], []
     for engine, seconds in (("zero_infinity", (1.0, 3.0, 2.0)), ("greedysnake", (0.5, 1.0, 0.9))):
         for (size, m), measured in zip(((1, 1), (1, 4), (4, 1)), seconds):
@@ -258,13 +263,6 @@ def test_measured_runs_reduce_as_the_sweep_does():
     assert result["greedysnake"]["measured"]["plateau"]["micro_batch_size"] == 4
     assert result["greedysnake"]["plateau_ratio"] == pytest.approx(1 / 1.1)
     assert "saturated ratio greedysnake / ZeRO-Infinity: measured" in saturation_accuracy.markdown(result)
-
-
-def _saturation_accuracy():
-    import sys
-    sys.path.insert(0, os.path.join(REPO, "scripts", "bench"))
-    import saturation_accuracy
-    return saturation_accuracy
 
 
 def test_a_run_between_two_probes_is_predicted_at_the_geometric_mean_of_theirs():
