@@ -362,6 +362,9 @@ def main(argv=None):
     with_plan = args.hardware == "probe" and not args.no_plan
     if args.shapes:
         os._exit(run_shapes(args, with_plan))
+    huge_pages = transparent_hugepages()
+    if args.run:
+        warn_if_pages_vary(huge_pages)
     sweep = Sweep(args.hardware, args.nvme_path, with_plan, bracket=not args.probe_after_only)
     if args.run:
         sweep.run(args.run, args.ab_args, args.out_dir, args.micro_batches)
@@ -383,12 +386,37 @@ def main(argv=None):
     if args.out:
         with open(args.out, "w") as handle:
             json.dump({"engines": result, "runs": sweep.per_json, "plan_saturated": merged_plan(sweep.plans)
-                       if sweep.plans else None, "against_plan": compared}, handle, indent=1)
+                       if sweep.plans else None, "against_plan": compared, "transparent_hugepages": huge_pages},
+                      handle, indent=1)
     sys.stdout.flush()
     os._exit(0 if ok else 1)  # DeepSpeed's native threads have aborted at interpreter exit here
 
 
 RUN_TOLERANCE = 0.25
+
+THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def transparent_hugepages(path: str = THP_SETTING):
+    """The kernel's transparent huge page mode ("always", "madvise" or "never"; None where it cannot be read).
+    On this virtual machine it decides how fast aio reads into a process's locked buffers run: under
+    "madvise" those buffers are 4 KiB pages, and in memory just freed by another process they read at 1.3-1.5
+    GB/s where buffers in unfragmented memory (or any, under "always") read at 2.7-2.9 (docs/planner.md,
+    "Why a run's disk rate moved"); a run and the probes before and after it can land either way."""
+    try:
+        with open(path) as handle:
+            text = handle.read()
+    except OSError:
+        return None
+    chosen = [word[1:-1] for word in text.split() if word.startswith("[") and word.endswith("]")]
+    return chosen[0] if chosen else None
+
+
+def warn_if_pages_vary(mode) -> None:
+    if mode not in (None, "always"):
+        print(f"warning: transparent huge pages are {mode!r} ({THP_SETTING}): each process's disk rate here depends "
+              "on how fragmented its buffers' memory is (up to 2x), which no probe in another process sees; "
+              "'always' makes it steady (docs/planner.md)", file=sys.stderr, flush=True)
 
 
 def runs_outside(rows: list, key: str):
@@ -404,6 +432,9 @@ def run_shapes(args, with_plan: bool) -> int:
     engine, the saturated tokens/s measured and predicted (``--saturated``) and the largest per-run error.
     Exit status 0 only when every saturated prediction is within 20% and every run within 25%."""
     summary, everything, all_ok = [], [], True
+    huge_pages = transparent_hugepages()
+    warn_if_pages_vary(huge_pages)
+    print(f"transparent huge pages: {huge_pages}", flush=True)
     for shape in args.shapes:
         label = f"hidden {shape['hidden']}, {shape['layers']} blocks, {shape['seq_len']} tokens"
         print(f"\n## {label}", flush=True)
@@ -452,7 +483,8 @@ def run_shapes(args, with_plan: bool) -> int:
           f"{100 * RUN_TOLERANCE:.0f}%: {'yes' if all_ok else 'NO'}", flush=True)
     if args.out:
         with open(args.out, "w") as handle:
-            json.dump({"shapes": everything, "summary": summary}, handle, indent=1)
+            json.dump({"shapes": everything, "summary": summary, "transparent_hugepages": huge_pages}, handle,
+                      indent=1)
     sys.stdout.flush()
     return 0 if all_ok else 1
 
