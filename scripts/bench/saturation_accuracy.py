@@ -363,8 +363,6 @@ def main(argv=None):
     if args.shapes:
         os._exit(run_shapes(args, with_plan))
     huge_pages = transparent_hugepages()
-    if args.run:
-        warn_if_pages_vary(huge_pages)
     sweep = Sweep(args.hardware, args.nvme_path, with_plan, bracket=not args.probe_after_only)
     if args.run:
         sweep.run(args.run, args.ab_args, args.out_dir, args.micro_batches)
@@ -398,11 +396,12 @@ THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 def transparent_hugepages(path: str = THP_SETTING):
-    """The kernel's transparent huge page mode ("always", "madvise" or "never"; None where it cannot be read).
-    On this virtual machine it decides how fast aio reads into a process's locked buffers run: under
-    "madvise" those buffers are 4 KiB pages, and in memory just freed by another process they read at 1.3-1.5
-    GB/s where buffers in unfragmented memory (or any, under "always") read at 2.7-2.9 (docs/planner.md,
-    "Why a run's disk rate moved"); a run and the probes before and after it can land either way."""
+    """The kernel's transparent huge page mode ("always", "madvise" or "never"; None where it cannot be read),
+    recorded with the results: on this virtual machine it moved both engines' terms (docs/planner.md, "Why a
+    run's disk rate moved"). Under "madvise" a process's locked aio buffers are 4 KiB pages, and where they
+    land in memory fragmented by earlier processes, reads into them ran at 1.3-1.5 GB/s against 2.7-2.9;
+    under "always" every buffer read fast, but ZeRO-3's gradient reductions in the planner's small probe
+    process ran 2-3x faster than in the runs."""
     try:
         with open(path) as handle:
             text = handle.read()
@@ -412,29 +411,14 @@ def transparent_hugepages(path: str = THP_SETTING):
     return chosen[0] if chosen else None
 
 
-def warn_if_pages_vary(mode) -> None:
-    if mode not in (None, "always"):
-        print(f"warning: transparent huge pages are {mode!r} ({THP_SETTING}): each process's disk rate here depends "
-              "on how fragmented its buffers' memory is (up to 2x), which no probe in another process sees; "
-              "'always' makes it steady (docs/planner.md)", file=sys.stderr, flush=True)
-
-
-def runs_outside(rows: list, key: str):
-    """How many of ``rows`` have ``key`` (a predicted / measured ratio) outside RUN_TOLERANCE; None where a
-    row has none (``ratio_after``: only with the probe before the runs)."""
-    if not all(key in row for row in rows):
-        return None
-    return sum(abs(row[key] - 1) > RUN_TOLERANCE for row in rows)
-
-
 def run_shapes(args, with_plan: bool) -> int:
     """Every shape's sweep in turn, each shape's tables as it ends, then one summary table: per shape and
     engine, the saturated tokens/s measured and predicted (``--saturated``) and the largest per-run error.
     Exit status 0 only when every saturated prediction is within 20% and every run within 25%."""
     summary, everything, all_ok = [], [], True
     huge_pages = transparent_hugepages()
-    warn_if_pages_vary(huge_pages)
-    print(f"transparent huge pages: {huge_pages}", flush=True)
+    print(f"transparent huge pages: {huge_pages} ({THP_SETTING}; docs/planner.md, \"Why a run's disk rate moved\")",
+          flush=True)
     for shape in args.shapes:
         label = f"hidden {shape['hidden']}, {shape['layers']} blocks, {shape['seq_len']} tokens"
         print(f"\n## {label}", flush=True)
