@@ -64,7 +64,6 @@ def churn(gib: float) -> None:
 
 
 def main(argv=None) -> int:
-    from saturation_accuracy import transparent_hugepages
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--folder", default=os.path.join(REPO, ".nvme_swap", "buffer_pages"),
                         help="a folder on the SSD (the files are written once and read by every process)")
@@ -85,6 +84,16 @@ def main(argv=None) -> int:
         sys.stdout.flush()
         os._exit(0)  # DeepSpeed's native threads have aborted at interpreter exit here
     write_files(args)
+    try:
+        return measure(args)
+    finally:
+        for index in range(args.buffers):  # the files go; the folder stays (it may be the user's)
+            os.remove(os.path.join(args.folder, f"part{index}.bin"))
+
+
+def measure(args) -> int:
+    """Each process in turn (after the churn, if asked); one line per process."""
+    from saturation_accuracy import transparent_hugepages
     print(f"transparent huge pages: {transparent_hugepages()}; {args.buffers} locked buffers of {args.mib} MiB "
           f"per set, GB/s per read, sets in allocation order:")
     forwarded = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in ("folder", "sets", "buffers", "mib",
@@ -95,7 +104,7 @@ def main(argv=None) -> int:
         done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", *forwarded],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         lines = [line for line in done.stdout.splitlines() if line and "WARNING" not in line]
-        if done.returncode != 0:
+        if done.returncode != 0 or not lines:
             print(done.stdout[-3000:], file=sys.stderr)
             return done.returncode
         print(f"process {process + 1}: {lines[-1]}", flush=True)
