@@ -51,6 +51,10 @@ def parse_args(argv=None):
                         help="skip running ZeRO-3 itself on four of the model's blocks (20-60 s; zero_probe.py): "
                              "ZeRO-Infinity's prediction then lacks its per-layer overhead and takes its reduction and "
                              "Adam from plain rates (docs/planner.md, \"The planner on shapes it never ran on\")")
+    parser.add_argument("--zero-probe-processes", type=int, default=1, metavar="N",
+                        help="run the ZeRO-3 probe in N processes, one after another, each of its terms the mean of "
+                             "theirs (a process's ZeRO-3 state reads ran at one of two speeds on the project's VM: "
+                             "docs/planner.md, \"Why a run's disk rate moved\")")
     parser.add_argument("--nvme-path", default=None, help="folder the probe measures (default: the config's nvme_path)")
     parser.add_argument("--save-hardware", default=None, help="write the probed hardware to this JSON file")
     parser.add_argument("--json", action="store_true", help="print JSON for machines")
@@ -112,7 +116,8 @@ def _hardware(args, ds_config: dict, settings: Settings, shape):
     sizes = _sweep_sizes(args) if args.saturated else ()
     hardware = probe_machine(nvme_path, settings, timed, more_micro_batch_sizes=sizes,
                              layer_repeats=SATURATED_LAYER_REPEATS if args.saturated else None,
-                             zero_ds_config=None if args.no_zero_probe or timed is None else ds_config)
+                             zero_ds_config=None if args.no_zero_probe or timed is None else ds_config,
+                             zero_probe_processes=args.zero_probe_processes)
     if args.save_hardware:
         save_hardware(hardware, args.save_hardware)
     return hardware
@@ -265,6 +270,9 @@ def main(argv=None) -> int:
     try:
         if not args.saturated and (args.micro_batch_sizes or args.ranks != 1):
             raise PlannerError("--micro-batch-sizes and --ranks apply to --saturated only: add --saturated")
+        if args.zero_probe_processes < 1:
+            raise PlannerError(f"--zero-probe-processes {args.zero_probe_processes}: the ZeRO-3 probe runs in at least "
+                               "one process (--no-zero-probe skips it)")
         with _stdout_to_stderr_if(args.json):  # DeepSpeed's accelerator warning, when it picks one, goes to stdout
             ds_config, settings = _load_settings(args.config)
         shape = parse_layers(args.layers) if args.layers else named_shape(args.model or "gpt-small")

@@ -346,14 +346,16 @@ def probe_more_workloads(workload: Workload, micro_batch_sizes: Sequence[int], d
 
 def probe_machine(nvme_path: str, settings: Settings, workload: Optional[Workload] = None, quick: bool = False,
                   device: Optional[torch.device] = None, more_micro_batch_sizes: Sequence[int] = (),
-                  layer_repeats: Optional[int] = None, zero_ds_config: Optional[dict] = None) -> Hardware:
+                  layer_repeats: Optional[int] = None, zero_ds_config: Optional[dict] = None,
+                  zero_probe_processes: int = 1) -> Hardware:
     """Everything the planner needs about this machine, as a Hardware; with a workload, its layers
     are timed too, and the block's forward sets the effective FLOP/s used for other shapes; with
     ``more_micro_batch_sizes``, the layers at each of those too (``Hardware.timed_workloads``).
     ``layer_repeats``: the layer timings' repeats (default 5, quick 3; each at least 0.02 s x repeats
     of forward and 0.04 s x repeats of forward and backward). With a workload and ``zero_ds_config`` (the ds_config
     ZeRO-Infinity would run), ZeRO-3's one-op SSD rates are fitted over the model's own op sizes
-    (``probe_zero_ops``) and ZeRO-3 itself is timed on four of its blocks (``zero_probe``, 20-60 s)."""
+    (``probe_zero_ops``) and ZeRO-3 itself is timed on four of its blocks (``zero_probe``, 20-60 s per process;
+    ``zero_probe_processes`` of them, each term their mean)."""
     if not nvme_path or not os.path.isdir(nvme_path):
         raise PlannerError(f"the probe needs an existing folder on the SSD to measure, got {nvme_path!r}: set "
                            "zero_optimization.offload_param.nvme_path in ds_config (or --nvme-path)")
@@ -384,7 +386,7 @@ def probe_machine(nvme_path: str, settings: Settings, workload: Optional[Workloa
                 rates.update(probe_zero_ops(nvme_path, settings.aio, sorted(set(reads) | set(writes)),
                                             min_seconds=1.0 if quick else 2.0))
             try:
-                zero_terms = probe_zero_engine(zero_ds_config, workload, nvme_path)
+                zero_terms = probe_zero_engine(zero_ds_config, workload, nvme_path, processes=zero_probe_processes)
             except PlannerError as error:  # said, and the prediction goes on from plain rates
                 print(f"warning: {error}\nZeRO-Infinity is predicted without ZeRO-3's own costs", file=sys.stderr)
     if flops is None:
@@ -408,7 +410,9 @@ def probe_machine(nvme_path: str, settings: Settings, workload: Optional[Workloa
                     ssd_write_seconds_by_op_size=rates.get("ssd_write_seconds_by_op_size", {}),
                     host_memory_bytes=_host_memory(),
                     layer_times=layer_times, layer_times_for=key, timed_workloads=more,
-                    notes=f"aio {settings.aio.as_dict()}; SSD folder {nvme_path}")
+                    notes=f"aio {settings.aio.as_dict()}; SSD folder {nvme_path}"
+                          + (f"; ZeRO-3 probe: the mean of {zero_terms['processes']} processes"
+                             if "processes" in zero_terms else ""))
 
 
 def _matmul_flops(device: torch.device, size: int = 1024) -> float:

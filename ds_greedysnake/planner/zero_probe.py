@@ -57,9 +57,19 @@ STEPS = 5          # measured, after one warm-up step
 
 
 def probe_zero_engine(ds_config: Dict, workload, folder: str, timeout: float = 600.0,
-                      blocks: int = BLOCKS) -> Dict[str, float]:
+                      blocks: int = BLOCKS, processes: int = 1) -> Dict[str, float]:
     """Run the child on ``workload``'s shape (four blocks) with ``ds_config``'s ZeRO-3 and aio settings, its
-    NVMe folders under ``folder``; the three terms above."""
+    NVMe folders under ``folder``; the three terms above. With ``processes`` > 1, the child runs that many
+    times, one after another, and each term is the mean of theirs (``mean_terms``): on this project's VM a
+    process's ZeRO-3 state reads ran at one of two speeds, 1.5-2x apart, by where its swap buffers landed in
+    memory (docs/planner.md, "Why a run's disk rate moved"), so one process's draw can put a run of the
+    other 2x off on that term."""
+    if processes < 1:
+        raise PlannerError(f"the ZeRO-3 probe needs at least one process, got {processes}")
+    return mean_terms([_probe_once(ds_config, workload, folder, timeout, blocks) for _ in range(processes)])
+
+
+def _probe_once(ds_config: Dict, workload, folder: str, timeout: float, blocks: int) -> Dict[str, float]:
     shape = workload.shape
     spec = {"ds_config": ds_config, "hidden": shape.hidden, "heads": shape.heads, "vocab": shape.vocab,
             "seq_len": shape.seq_len, "mlp_ratio": shape.mlp_ratio, "micro_batch_size": workload.micro_batch_size,
@@ -85,6 +95,24 @@ def probe_zero_engine(ds_config: Dict, workload, folder: str, timeout: float = 6
     terms["zero_read_seconds_by_size"] = {int(size): seconds  # JSON's keys are strings
                                           for size, seconds in terms["zero_read_seconds_by_size"].items()}
     return terms
+
+
+def mean_terms(runs: Sequence[Dict]) -> Dict:
+    """The terms of several probe processes as one: each cost (seconds per fetch, per element, per read of a
+    size) the mean of theirs, the reduction rate the one of their mean seconds per element; the expected
+    cost of a process whose draw is not known. One process's terms come back as they are."""
+    if len(runs) == 1:
+        return runs[0]
+    mean = statistics.fmean
+    combined = {key: mean(run[key] for run in runs) for key in ("zero_seconds_per_fetch", "passes_seconds",
+                                                               "plain_compute_seconds")}
+    combined["fetches"] = runs[0]["fetches"]
+    combined["zero_grad_reduce_elements_per_s"] = 1.0 / mean(1.0 / run["zero_grad_reduce_elements_per_s"]
+                                                             for run in runs)
+    for table in ("zero_optimizer_seconds_per_element", "zero_read_seconds_by_size"):
+        combined[table] = {key: mean(run[table][key] for run in runs) for key in runs[0][table]}
+    combined["processes"] = len(runs)
+    return combined
 
 
 def zero_op_sizes(workload: Workload, settings: Settings) -> Tuple[List[int], List[int]]:

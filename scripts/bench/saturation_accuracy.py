@@ -108,9 +108,9 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def plan_saturated(reports: list, nvme_path: str) -> dict:
+def plan_saturated(reports: list, nvme_path: str, plan_args=()) -> dict:
     """``python -m ds_greedysnake.plan --saturated --json`` on the runs' ds_config and model, over the
-    micro-batch sizes and M that ran; its JSON."""
+    micro-batch sizes and M that ran (``plan_args``: more of plan's arguments); its JSON."""
     runs = [run for report in reports for run in report["runs"] if run.get("world_size", 1) == 1]
     model = lambda report, run: {key: value for key, value in report["configs"][run["config"]].items()  # noqa: E731
                                  if key != "micro_batch_size"}
@@ -127,7 +127,7 @@ def plan_saturated(reports: list, nvme_path: str) -> dict:
         json.dump(ds_config, handle)
     command = [sys.executable, "-m", "ds_greedysnake.plan", "--config", handle.name, "--layers", layers, "--saturated",
                "--micro-batch-sizes", *map(str, sizes), "--micro-batches", *map(str, counts), "--json",
-               "--nvme-path", nvme_path]
+               "--nvme-path", nvme_path, *plan_args]
     print("$ " + " ".join(command), flush=True)
     try:
         done = subprocess.run(command, cwd=REPO, stdout=subprocess.PIPE, text=True, check=True)
@@ -274,8 +274,9 @@ class Sweep:
     machine's disk moved 1.6-2x between probes minutes apart (docs/planner.md), and a run's ten minutes
     lie between the two."""
 
-    def __init__(self, hardware: str, nvme_path: str, with_plan: bool, bracket: bool = False):
+    def __init__(self, hardware: str, nvme_path: str, with_plan: bool, bracket: bool = False, plan_args=()):
         self.hardware, self.nvme_path, self.with_plan, self.bracket = hardware, nvme_path, with_plan, bracket
+        self.plan_args = tuple(plan_args)
         self.measured, self.predicted, self.per_json, self.plans = [], [], [], []
 
     def add(self, path: str, report: dict, plan=None, before=None) -> None:
@@ -302,11 +303,12 @@ class Sweep:
         for size in sizes:
             before = None
             if self.with_plan and self.bracket:
-                before = plan_saturated([report_before_runs(size, ab_args, micro_batches)], self.nvme_path)
+                before = plan_saturated([report_before_runs(size, ab_args, micro_batches)], self.nvme_path,
+                                        self.plan_args)
             path = run_ab_bench(size, ab_args, out_dir, micro_batches)
             with open(path) as handle:
                 report = json.load(handle)
-            after = plan_saturated([report], self.nvme_path) if self.with_plan else None
+            after = plan_saturated([report], self.nvme_path, self.plan_args) if self.with_plan else None
             if after is not None:
                 self.plans.append(after if before is None else bracketed_plan(before, after))
             self.add(path, report, after, before)
@@ -355,15 +357,20 @@ def main(argv=None):
     parser.add_argument("--probe-after-only", action="store_true",
                         help="with --run: probe only after each size's runs (by default also right before them, "
                              "and each prediction is the geometric mean of the two probes')")
+    parser.add_argument("--zero-probe-processes", type=int, default=1, metavar="N",
+                        help="plan's ZeRO-3 probe in N processes, each term the mean of theirs (plan's own option)")
     parser.add_argument("--out", default=None, help="write the curves, rows and probes as JSON here")
     args = parser.parse_args(argv)
+    if args.zero_probe_processes < 1:
+        parser.error(f"--zero-probe-processes must be at least 1, got {args.zero_probe_processes}")
     if args.shapes and not args.run:
         parser.error("--shapes needs --run MBS ...")
     with_plan = args.hardware == "probe" and not args.no_plan
     if args.shapes:
         os._exit(run_shapes(args, with_plan))
     huge_pages = transparent_hugepages()
-    sweep = Sweep(args.hardware, args.nvme_path, with_plan, bracket=not args.probe_after_only)
+    sweep = Sweep(args.hardware, args.nvme_path, with_plan, bracket=not args.probe_after_only,
+                  plan_args=plan_args(args))
     if args.run:
         sweep.run(args.run, args.ab_args, args.out_dir, args.micro_batches)
     else:
@@ -372,7 +379,7 @@ def main(argv=None):
             with open(path) as handle:
                 reports.append(json.load(handle))
         if with_plan:
-            sweep.plans.append(plan_saturated(reports, args.nvme_path))
+            sweep.plans.append(plan_saturated(reports, args.nvme_path, plan_args(args)))
         for path, report in zip(args.ab_json, reports):
             sweep.add(path, report)
     result, compared, ok, _ = sweep.verdict()
@@ -391,6 +398,11 @@ def main(argv=None):
 
 
 RUN_TOLERANCE = 0.25
+
+
+def plan_args(args) -> tuple:
+    """plan's arguments beyond the sweep's own, from this script's."""
+    return ("--zero-probe-processes", str(args.zero_probe_processes)) if args.zero_probe_processes != 1 else ()
 
 THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
@@ -425,7 +437,8 @@ def run_shapes(args, with_plan: bool) -> int:
         base = AB_BASE_ARGS if args.ab_args == AB_ARGS else args.ab_args
         ab_args = f"{base} --hidden {shape['hidden']} --layers {shape['layers']} --seq-len {shape['seq_len']}"
         out_dir = os.path.join(args.out_dir, f"h{shape['hidden']}_l{shape['layers']}_s{shape['seq_len']}")
-        sweep = Sweep(args.hardware, args.nvme_path, with_plan, bracket=not args.probe_after_only)
+        sweep = Sweep(args.hardware, args.nvme_path, with_plan, bracket=not args.probe_after_only,
+                      plan_args=plan_args(args))
         sweep.run(args.run, ab_args, out_dir, args.micro_batches)
         result, compared, ok, _ = sweep.verdict()
         print(markdown(result))

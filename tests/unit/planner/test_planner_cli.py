@@ -93,6 +93,8 @@ def test_cli_errors(capsys):
     assert code == 2 and "below the smallest any plan needs" in err and "--host-memory" in err
     code = plan_cli.main(["--config", CONFIG, "--hardware", "/nonexistent.json"])
     assert code == 2 and "cannot read hardware file" in capsys.readouterr().err
+    code, _, err = run_cli(capsys, "--zero-probe-processes", "0")
+    assert code == 2 and "--zero-probe-processes 0" in err and "--no-zero-probe" in err
 
 
 def test_paper_projection_favours_greedysnake(capsys):

@@ -325,6 +325,13 @@ def test_the_huge_page_mode_recorded_is_the_bracketed_one(tmp_path, text, mode):
     assert bracket.transparent_hugepages(str(setting)) == mode
     assert bracket.transparent_hugepages(str(tmp_path / "missing")) is None
 
+
+def test_the_zero_probe_processes_reach_plan_only_when_asked():
+    bracket = _saturation_accuracy()
+    import argparse
+    assert bracket.plan_args(argparse.Namespace(zero_probe_processes=1)) == ()
+    assert bracket.plan_args(argparse.Namespace(zero_probe_processes=3)) == ("--zero-probe-processes", "3")
+
 @pytest.mark.parametrize("dtype_bytes", [4, 2])
 def test_the_working_set_estimate_matches_what_autograd_keeps_for_the_built_gpt(dtype_bytes):
     """What the built GPT's block and head keep for backward (autograd's saved tensors, counted once per

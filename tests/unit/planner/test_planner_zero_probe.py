@@ -10,7 +10,7 @@ from ds_greedysnake.planner.cost_model import Workload
 from ds_greedysnake.planner.zero_model import HorizontalSettings, zero_swapped_tensors
 from ds_greedysnake.planner.errors import PlannerError
 from ds_greedysnake.planner.shapes import GPTShape
-from ds_greedysnake.planner.zero_probe import probe_zero_engine, probe_zero_ops, zero_op_sizes
+from ds_greedysnake.planner.zero_probe import mean_terms, probe_zero_engine, probe_zero_ops, zero_op_sizes
 from ds_greedysnake.settings import settings_from_ds_config
 
 MIB = 2**20
@@ -54,7 +54,8 @@ def test_op_sizes_are_the_models_swapped_tensors_and_sub_groups():
 def test_zero_probe_runs_zero_3_and_reads_the_tensors_the_model_swaps(tmp_path):
     shape = GPTShape("t", 2, 512, 4, 1024, 16)
     ds_config = zero_infinity_config(str(tmp_path), 4 * 512 * 512)
-    terms = probe_zero_engine(ds_config, Workload(shape, 1, 2), str(tmp_path), blocks=2)
+    terms = probe_zero_engine(ds_config, Workload(shape, 1, 2), str(tmp_path), blocks=2, processes=2)
+    assert terms["processes"] == 2  # two children, their terms averaged
     assert terms["zero_seconds_per_fetch"] >= 0
     assert terms["zero_grad_reduce_elements_per_s"] > 0
     assert set(terms["zero_optimizer_seconds_per_element"]) == {"gradient reduction (boundary)",
@@ -71,3 +72,30 @@ def test_a_zero_probe_that_fails_says_why(tmp_path):
     ds_config = zero_infinity_config(str(tmp_path), 1024)  # buffers too small for any swapped tensor
     with pytest.raises(PlannerError, match="the ZeRO-3 probe failed"):
         probe_zero_engine(ds_config, Workload(GPTShape("t", 2, 512, 4, 1024, 16), 1, 2), str(tmp_path), blocks=2)
+
+
+def _terms(fetch, reduce_rate, state_read, read_4mib):
+    return {"zero_seconds_per_fetch": fetch, "zero_grad_reduce_elements_per_s": reduce_rate,
+            "zero_optimizer_seconds_per_element": {"optimizer state read": state_read, "Adam": 1e-9},
+            "zero_read_seconds_by_size": {4 * MIB: read_4mib}, "passes_seconds": 1.0, "plain_compute_seconds": 0.5,
+            "fetches": 12}
+
+
+def test_several_probe_processes_give_each_cost_as_the_mean_of_theirs():
+    """A process's ZeRO-3 state reads ran at one of two speeds on the project's VM: the terms of several
+    processes are their mean costs (seconds per element, per fetch, per read), the reduction rate the one
+    of their mean seconds per element."""
+    fast, slow = _terms(0.002, 4e8, 7e-9, 0.003), _terms(0.0, 2e8, 12e-9, 0.005)
+    assert mean_terms([fast]) is fast
+    both = mean_terms([fast, slow])
+    assert both["processes"] == 2 and both["fetches"] == 12
+    assert both["zero_seconds_per_fetch"] == pytest.approx(0.001)
+    assert both["zero_grad_reduce_elements_per_s"] == pytest.approx(1 / ((1 / 4e8 + 1 / 2e8) / 2))
+    assert both["zero_optimizer_seconds_per_element"] == pytest.approx({"optimizer state read": 9.5e-9, "Adam": 1e-9})
+    assert both["zero_read_seconds_by_size"] == pytest.approx({4 * MIB: 0.004})
+
+
+def test_a_probe_in_no_process_is_refused_before_anything_runs(tmp_path):
+    with pytest.raises(PlannerError, match="at least one process, got 0"):
+        probe_zero_engine({}, Workload(GPTShape("t", 2, 512, 4, 1024, 16), 1, 2), str(tmp_path), processes=0)
+    assert os.listdir(tmp_path) == []
