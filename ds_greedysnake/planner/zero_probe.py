@@ -2,6 +2,7 @@
 
     rates = probe_zero_ops(folder, settings.aio, sizes)          # ZeRO-3's aio ops, by size, into locked buffers
     terms = probe_zero_engine(ds_config, workload, folder)      # ZeRO-3 itself on four of the model's blocks
+    terms = probe_zero_engine(ds_config, workload, folder, processes=2)  # the same in two processes, averaged
 
 A profile of ab_bench's ZeRO-Infinity (docs/planner.md, "The planner on shapes it never ran on") showed its
 costs far from what the plain rates give, by different factors at hidden 384 and 768: its parameter reads
