@@ -423,6 +423,14 @@ def transparent_hugepages(path: str = THP_SETTING):
     return chosen[0] if chosen else None
 
 
+def runs_outside(rows: list, key: str):
+    """How many of ``rows`` have ``key`` (a predicted / measured ratio) outside RUN_TOLERANCE; None where a
+    row has none (``ratio_after``: only with the probe before the runs)."""
+    if not all(key in row for row in rows):
+        return None
+    return sum(abs(row[key] - 1) > RUN_TOLERANCE for row in rows)
+
+
 def run_shapes(args, with_plan: bool) -> int:
     """Every shape's sweep in turn, each shape's tables as it ends, then one summary table: per shape and
     engine, the saturated tokens/s measured and predicted (``--saturated``) and the largest per-run error.
