@@ -9,7 +9,10 @@
 
 With ``--run``, the machine is probed (``plan --saturated``) right before and right after each micro-batch
 size's runs, and every prediction is the geometric mean of the two probes' (``--probe-after-only``: the
-probe after alone, as before 2026-12-05; both are printed).
+probe after alone, as before 2026-12-05; both are printed). With ``--repeats N``, each size's ab_bench runs
+N times between those probes, each run in its own process each time, and a run's measured step is the
+median of its N (``median_report``; each repeat alone is counted too): on this machine one process's
+disk rate is drawn with where its buffers land.
 
 With ``--shapes``, each shape's sweep runs in turn (each micro-batch size's runs, then its predictions),
 then a table of every shape: per engine the measured and ``--saturated``-predicted saturated tokens/s and
@@ -170,14 +173,42 @@ AB_BASE_ARGS = "--quick --configs ssd_bound --ranks 1 --warmup 1 --steps 3 --no-
 AB_ARGS = AB_BASE_ARGS + " --hidden 512 --layers 8 --seq-len 32"
 
 
-def run_ab_bench(size: int, ab_args: str, out_dir: str, micro_batches) -> str:
-    """One ab_bench invocation at micro-batch size ``size`` over ``micro_batches``; its JSON's path."""
-    out = os.path.join(out_dir, f"mbs{size}")
+def run_ab_bench(size: int, ab_args: str, out_dir: str, micro_batches, repeat=None) -> str:
+    """One ab_bench invocation at micro-batch size ``size`` over ``micro_batches``; its JSON's path (with
+    ``repeat``, the k-th of several: its own folder)."""
+    out = os.path.join(out_dir, f"mbs{size}" if repeat is None else f"mbs{size}_r{repeat}")
     command = [sys.executable, os.path.join(REPO, "scripts", "bench", "ab_bench", "ab_bench.py"), *ab_args.split(),
                "--micro-batch-size", str(size), "--micro-batches", *map(str, micro_batches), "--out-dir", out]
     print("$ " + " ".join(command), flush=True)
     subprocess.run(command, cwd=REPO, check=True, stdout=subprocess.DEVNULL)  # each run's log: out/runs/
     return os.path.join(out, "ab_bench.json")
+
+
+def median_report(reports: list) -> dict:
+    """One ab_bench report from the same sweep run in several invocations (each run a fresh process): each
+    one-rank run is the repeat whose median step is the median of theirs (the lower middle one for an even
+    count), a whole record of one process, with every repeat's median step kept beside it
+    (``step_seconds_by_repeat``). On this machine a process's disk rate is drawn with where its buffers land
+    (docs/planner.md, "Why a run's disk rate moved"): the median of three is the run's usual step, where one
+    process may be the other mode or the machine moving."""
+    import copy
+    import statistics
+    if len(reports) == 1:
+        return reports[0]
+    merged = copy.deepcopy(reports[0])
+    keys = [(run["config"], run["engine"], run["micro_batches"], run.get("world_size", 1)) for run in merged["runs"]]
+    for report in reports[1:]:
+        other = [(run["config"], run["engine"], run["micro_batches"], run.get("world_size", 1)) for run in report["runs"]]
+        if other != keys:
+            raise SystemExit(f"the repeats ran different sweeps: {keys} and {other}")
+    for index, run in enumerate(merged["runs"]):
+        repeats = [report["runs"][index] for report in reports]
+        seconds = [repeat["step_seconds_median"] for repeat in repeats]
+        chosen = seconds.index(statistics.median_low(seconds))
+        merged["runs"][index] = dict(copy.deepcopy(repeats[chosen]), step_seconds_by_repeat=seconds,
+                                     repeat_chosen=chosen)
+    merged["repeats"] = len(reports)
+    return merged
 
 
 def merged_plan(plans: list) -> dict:
@@ -272,11 +303,13 @@ class Sweep:
     With ``bracket``, a second ``plan --saturated`` probes the machine right before each size's runs, and
     each prediction (per run and per point of the sweep) is the geometric mean of the two probes': this
     machine's disk moved 1.6-2x between probes minutes apart (docs/planner.md), and a run's ten minutes
-    lie between the two."""
+    lie between the two. With ``repeats`` above 1, each size's ab_bench runs that many times between the
+    probes and each run's measured step is the median of its repeats (``median_report``)."""
 
-    def __init__(self, hardware: str, nvme_path: str, with_plan: bool, bracket: bool = False, plan_args=()):
+    def __init__(self, hardware: str, nvme_path: str, with_plan: bool, bracket: bool = False, plan_args=(),
+                 repeats: int = 1):
         self.hardware, self.nvme_path, self.with_plan, self.bracket = hardware, nvme_path, with_plan, bracket
-        self.plan_args = tuple(plan_args)
+        self.plan_args, self.repeats = tuple(plan_args), repeats
         self.measured, self.predicted, self.per_json, self.plans = [], [], [], []
 
     def add(self, path: str, report: dict, plan=None, before=None) -> None:
@@ -290,6 +323,10 @@ class Sweep:
                                                                  recorded=recorded_hardware(report, before))
             rows = [bracketed_row(first, last) for first, last in zip(rows_before, rows)]
             print(f"{path}: the probes before and after the runs\n{drift_markdown(rows)}", flush=True)
+        one_rank = [run for run in report["runs"] if run.get("world_size", 1) == 1]
+        for run, row in zip(one_rank, rows):
+            if "step_seconds_by_repeat" in run:
+                row["measured_seconds_by_repeat"] = run["step_seconds_by_repeat"]
         print(f"{path}:\n{rows_markdown(rows)}", flush=True)
         more_measured, more_predicted = points_of(report, rows)
         self.measured.extend(more_measured)
@@ -305,13 +342,28 @@ class Sweep:
             if self.with_plan and self.bracket:
                 before = plan_saturated([report_before_runs(size, ab_args, micro_batches)], self.nvme_path,
                                         self.plan_args)
-            path = run_ab_bench(size, ab_args, out_dir, micro_batches)
-            with open(path) as handle:
-                report = json.load(handle)
+            path, report = self.run_repeats(size, ab_args, out_dir, micro_batches)
             after = plan_saturated([report], self.nvme_path, self.plan_args) if self.with_plan else None
             if after is not None:
                 self.plans.append(after if before is None else bracketed_plan(before, after))
             self.add(path, report, after, before)
+
+    def run_repeats(self, size: int, ab_args: str, out_dir: str, micro_batches):
+        """(path, report) of size ``size``'s runs: one ab_bench, or ``repeats`` of them merged by
+        ``median_report`` (written beside them)."""
+        if self.repeats == 1:
+            path = run_ab_bench(size, ab_args, out_dir, micro_batches)
+            with open(path) as handle:
+                return path, json.load(handle)
+        reports = []
+        for repeat in range(self.repeats):
+            with open(run_ab_bench(size, ab_args, out_dir, micro_batches, repeat)) as handle:
+                reports.append(json.load(handle))
+        path = os.path.join(out_dir, f"mbs{size}_median.json")
+        report = median_report(reports)
+        with open(path, "w") as handle:
+            json.dump(report, handle, indent=1)
+        return path, report
 
     def verdict(self):
         """(result, compared with the plan or None, whether every saturated prediction is within TOLERANCE,
@@ -359,18 +411,25 @@ def main(argv=None):
                              "and each prediction is the geometric mean of the two probes')")
     parser.add_argument("--zero-probe-processes", type=int, default=1, metavar="N",
                         help="plan's ZeRO-3 probe in N processes, each term the mean of theirs (plan's own option)")
+    parser.add_argument("--repeats", type=int, default=1, metavar="N",
+                        help="with --run: each size's ab_bench N times between its probes, each run's step the "
+                             "median of its N processes' (every repeat's kept and counted alone too)")
     parser.add_argument("--out", default=None, help="write the curves, rows and probes as JSON here")
     args = parser.parse_args(argv)
     if args.zero_probe_processes < 1:
         parser.error(f"--zero-probe-processes must be at least 1, got {args.zero_probe_processes}")
     if args.shapes and not args.run:
         parser.error("--shapes needs --run MBS ...")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.repeats > 1 and not args.run:
+        parser.error(f"--repeats {args.repeats} needs --run MBS ... (--ab-json's runs already ran once each)")
     with_plan = args.hardware == "probe" and not args.no_plan
     if args.shapes:
         os._exit(run_shapes(args, with_plan))
     huge_pages = transparent_hugepages()
     sweep = Sweep(args.hardware, args.nvme_path, with_plan, bracket=not args.probe_after_only,
-                  plan_args=plan_args(args))
+                  plan_args=plan_args(args), repeats=args.repeats)
     if args.run:
         sweep.run(args.run, args.ab_args, args.out_dir, args.micro_batches)
     else:
@@ -431,6 +490,36 @@ def runs_outside(rows: list, key: str):
     return sum(abs(row[key] - 1) > RUN_TOLERANCE for row in rows)
 
 
+def runs_outside_by_repeat(rows: list):
+    """Per repeat, how many of ``rows`` its process alone puts outside RUN_TOLERANCE (the prediction against
+    that repeat's step); None without repeats."""
+    if not rows or not all("measured_seconds_by_repeat" in row for row in rows):
+        return None
+    count = len(rows[0]["measured_seconds_by_repeat"])
+    return [sum(abs(row["predicted_seconds"] / row["measured_seconds_by_repeat"][k] - 1) > RUN_TOLERANCE
+                for row in rows) for k in range(count)]
+
+
+def summary_markdown(summary: list) -> str:
+    """The table of every shape: per engine the saturated tokens/s measured and predicted, the worst run and
+    how many runs lie outside 25% (after the probe alone; with repeats, against each repeat alone)."""
+    lines = ["| shape | engine | measured saturated tokens/s (micro-batch x M) | --saturated predicted (micro-batch x M) "
+             "| predicted / measured | worst run: M, measured / predicted s, ratio (binds) | runs outside 25% "
+             "(the probe after alone) | against each repeat alone |", "|---|---|---|---|---|---|---|---|"]
+    for item in summary:
+        m, p, w = item["measured"], item["plan"], item["worst_run"]
+        alone = "-" if item["runs_outside_after_probe_alone"] is None else item["runs_outside_after_probe_alone"]
+        by_repeat = item.get("runs_outside_by_repeat")
+        repeats = "-" if by_repeat is None else ", ".join(map(str, by_repeat))
+        planned = (f"{p['tokens_per_second']:.1f} ({p['micro_batch_size']} x {p['micro_batches']})" if p else "-")
+        ratio = f"{item['plan_ratio']:.2f}" if item["plan_ratio"] is not None else f"{item['per_run_ratio']:.2f}"
+        lines.append(f"| {item['shape']} | {item['engine']} | {m['tokens_per_second']:.1f} ({m['micro_batch_size']} x "
+                     f"{m['micro_batches']}) | {planned} | {ratio} | M={w['micro_batches']}, "
+                     f"{w['measured_seconds']:.3f} / {w['predicted_seconds']:.3f}, {w['ratio']:.2f} ({w['binding']}) | "
+                     f"{item['runs_outside']} of {item['runs']} ({alone}) | {repeats} |")
+    return "\n".join(lines)
+
+
 def run_shapes(args, with_plan: bool) -> int:
     """Every shape's sweep in turn, each shape's tables as it ends, then one summary table: per shape and
     engine, the saturated tokens/s measured and predicted (``--saturated``) and the largest per-run error.
@@ -446,7 +535,7 @@ def run_shapes(args, with_plan: bool) -> int:
         ab_args = f"{base} --hidden {shape['hidden']} --layers {shape['layers']} --seq-len {shape['seq_len']}"
         out_dir = os.path.join(args.out_dir, f"h{shape['hidden']}_l{shape['layers']}_s{shape['seq_len']}")
         sweep = Sweep(args.hardware, args.nvme_path, with_plan, bracket=not args.probe_after_only,
-                      plan_args=plan_args(args))
+                      plan_args=plan_args(args), repeats=args.repeats)
         sweep.run(args.run, ab_args, out_dir, args.micro_batches)
         result, compared, ok, _ = sweep.verdict()
         print(markdown(result))
@@ -464,26 +553,15 @@ def run_shapes(args, with_plan: bool) -> int:
                             "worst_run_size": next(entry for entry in sweep.per_json if worst in entry["rows"])
                             ["ab_json"]})
             summary[-1].update(runs=len(rows), runs_outside=runs_outside(rows, "ratio"),
-                               runs_outside_after_probe_alone=runs_outside(rows, "ratio_after"))
+                               runs_outside_after_probe_alone=runs_outside(rows, "ratio_after"),
+                               runs_outside_by_repeat=runs_outside_by_repeat(rows))
             all_ok = all_ok and abs(worst["ratio"] - 1) <= RUN_TOLERANCE
         all_ok = all_ok and ok
         everything.append({"shape": shape, "engines": result, "runs": sweep.per_json,
                            "plan_saturated": merged_plan(sweep.plans) if sweep.plans else None,
                            "against_plan": compared})
     print("\n## Every shape\n")
-    print("| shape | engine | measured saturated tokens/s (micro-batch x M) | --saturated predicted (micro-batch x M) "
-          "| predicted / measured | worst run: M, measured / predicted s, ratio (binds) | runs outside 25% "
-          "(the probe after alone) |")
-    print("|---|---|---|---|---|---|---|")
-    for item in summary:
-        m, p, w = item["measured"], item["plan"], item["worst_run"]
-        alone = "-" if item["runs_outside_after_probe_alone"] is None else item["runs_outside_after_probe_alone"]
-        planned = (f"{p['tokens_per_second']:.1f} ({p['micro_batch_size']} x {p['micro_batches']})" if p else "-")
-        ratio = f"{item['plan_ratio']:.2f}" if item["plan_ratio"] is not None else f"{item['per_run_ratio']:.2f}"
-        print(f"| {item['shape']} | {item['engine']} | {m['tokens_per_second']:.1f} ({m['micro_batch_size']} x "
-              f"{m['micro_batches']}) | {planned} | {ratio} | M={w['micro_batches']}, {w['measured_seconds']:.3f} / "
-              f"{w['predicted_seconds']:.3f}, {w['ratio']:.2f} ({w['binding']}) | {item['runs_outside']} of "
-              f"{item['runs']} ({alone}) |")
+    print(summary_markdown(summary))
     print(f"\nevery saturated prediction within {100 * TOLERANCE:.0f}% and every run within "
           f"{100 * RUN_TOLERANCE:.0f}%: {'yes' if all_ok else 'NO'}", flush=True)
     if args.out:

@@ -332,6 +332,75 @@ def test_the_zero_probe_processes_reach_plan_only_when_asked():
     assert bracket.plan_args(argparse.Namespace(zero_probe_processes=1)) == ()
     assert bracket.plan_args(argparse.Namespace(zero_probe_processes=3)) == ("--zero-probe-processes", "3")
 
+
+def _ab_report(seconds_by_run):
+    runs = [{"config": "ssd_bound", "engine": engine, "micro_batches": m, "step_seconds_median": seconds,
+             "seconds_by_op_mean": {"marker": seconds}} for (engine, m), seconds in seconds_by_run.items()]
+    return {"configs": {"ssd_bound": {}}, "runs": runs}
+
+
+def test_repeated_runs_keep_the_median_process_whole():
+    """--repeats: each run is the whole record of the repeat whose step is the median (the lower middle one
+    for an even count), every repeat's step kept beside it."""
+    bracket = _saturation_accuracy()
+    reports = [_ab_report({("greedysnake", 1): g, ("zero_infinity", 1): z})
+               for g, z in ((1.0, 5.0), (3.0, 4.0), (2.0, 9.0))]
+    merged = bracket.median_report(reports)
+    greedysnake, zero = merged["runs"]
+    assert (greedysnake["step_seconds_median"], greedysnake["repeat_chosen"]) == (2.0, 2)
+    assert greedysnake["seconds_by_op_mean"] == {"marker": 2.0}  # the chosen process's own profile
+    assert greedysnake["step_seconds_by_repeat"] == [1.0, 3.0, 2.0]
+    assert (zero["step_seconds_median"], zero["repeat_chosen"]) == (5.0, 0)
+    assert merged["repeats"] == 3 and "step_seconds_by_repeat" not in reports[0]["runs"][0]
+    assert bracket.median_report(reports[:2])["runs"][1]["step_seconds_median"] == 4.0
+    assert bracket.median_report(reports[:1]) is reports[0]
+    with pytest.raises(SystemExit, match="the repeats ran different sweeps"):
+        bracket.median_report([reports[0], _ab_report({("greedysnake", 4): 1.0, ("zero_infinity", 1): 1.0})])
+
+
+def test_each_size_runs_its_repeats_in_their_own_folders_and_is_predicted_from_their_median(tmp_path, monkeypatch):
+    bracket = _saturation_accuracy()
+    steps = iter([1.0, 3.0, 2.0])
+
+    def fake_run(size, ab_args, out_dir, micro_batches, repeat=None):
+        path = os.path.join(out_dir, f"mbs{size}_r{repeat}", "ab_bench.json")
+        os.makedirs(os.path.dirname(path))
+        with open(path, "w") as handle:
+            json.dump(_ab_report({("greedysnake", 1): next(steps)}), handle)
+        return path
+    monkeypatch.setattr(bracket, "run_ab_bench", fake_run)
+    sweep = bracket.Sweep("probe", str(tmp_path), with_plan=False, repeats=3)
+    path, report = sweep.run_repeats(2, "", str(tmp_path), [1])
+    assert sorted(os.listdir(tmp_path)) == ["mbs2_median.json", "mbs2_r0", "mbs2_r1", "mbs2_r2"]
+    with open(path) as handle:
+        assert json.load(handle) == report
+    assert report["runs"][0]["step_seconds_median"] == 2.0
+
+
+def test_runs_outside_are_counted_against_each_repeat_alone_too():
+    bracket = _saturation_accuracy()
+    rows = [{"predicted_seconds": 1.0, "measured_seconds": 1.0, "measured_seconds_by_repeat": [1.0, 0.7, 1.5]},
+            {"predicted_seconds": 2.0, "measured_seconds": 2.0, "measured_seconds_by_repeat": [2.0, 2.1, 1.0]}]
+    assert bracket.runs_outside_by_repeat(rows) == [0, 1, 2]  # 0.7 s: 1.43x; 1.5 and 1.0 s: 0.67x, 2x
+    assert bracket.runs_outside_by_repeat([{"predicted_seconds": 1.0}]) is None
+    point = {"tokens_per_second": 10.0, "micro_batch_size": 1, "micro_batches": 4}
+    item = {"shape": "s", "engine": "greedysnake", "measured": point, "plan": point, "plan_ratio": 1.0,
+            "per_run_ratio": 1.0, "worst_run": {"micro_batches": 4, "measured_seconds": 1.0, "predicted_seconds": 1.5,
+                                                "ratio": 1.5, "binding": "SSD"},
+            "runs": 2, "runs_outside": 1, "runs_outside_after_probe_alone": 2}
+    table = bracket.summary_markdown([dict(item, runs_outside_by_repeat=[0, 1, 1]), item])
+    assert "| 1 of 2 (2) | 0, 1, 1 |" in table and table.endswith("| 1 of 2 (2) | - |")
+
+
+@pytest.mark.parametrize("argv,message", [(["--run", "1", "--repeats", "0"], "--repeats must be at least 1, got 0"),
+                                          (["--ab-json", "x.json", "--repeats", "3"], "--repeats 3 needs --run")])
+def test_repeats_are_refused_where_they_cannot_apply(argv, message, capsys):
+    bracket = _saturation_accuracy()
+    with pytest.raises(SystemExit):
+        bracket.main(argv)
+    assert message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("dtype_bytes", [4, 2])
 def test_the_working_set_estimate_matches_what_autograd_keeps_for_the_built_gpt(dtype_bytes):
     """What the built GPT's block and head keep for backward (autograd's saved tensors, counted once per
