@@ -55,12 +55,16 @@ sys.path.insert(0, os.path.join(REPO, "scripts", "bench", "ab_bench"))  # report
 TOLERANCE = 0.2
 
 
+def one_rank_runs(report: dict) -> list:
+    """The runs of ``report`` the model predicts (one rank each), in the order of their rows."""
+    return [run for run in report["runs"] if run.get("world_size", 1) == 1]
+
+
 def points_of(report: dict, rows: list):
     """(measured, predicted) SweepPoints of the one-rank runs of ``report``, in the order of ``rows``."""
     from ds_greedysnake.planner.saturation import SweepPoint
-    runs = [run for run in report["runs"] if run.get("world_size", 1) == 1]
     measured, predicted = [], []
-    for run, row in zip(runs, rows):
+    for run, row in zip(one_rank_runs(report), rows):
         assert (run["engine"], run["micro_batches"]) == (row["engine"], row["micro_batches"])
         tokens = run["tokens_per_step"]
         for target, seconds in ((measured, row["measured_seconds"]), (predicted, row["predicted_seconds"])):
@@ -191,24 +195,21 @@ def median_report(reports: list) -> dict:
     (``step_seconds_by_repeat``). On this machine a process's disk rate is drawn with where its buffers land
     (docs/planner.md, "Why a run's disk rate moved"): the median of three is the run's usual step, where one
     process may be the other mode or the machine moving."""
-    import copy
     import statistics
     if len(reports) == 1:
         return reports[0]
-    merged = copy.deepcopy(reports[0])
-    keys = [(run["config"], run["engine"], run["micro_batches"], run.get("world_size", 1)) for run in merged["runs"]]
+    run_key = lambda run: (run["config"], run["engine"], run["micro_batches"], run.get("world_size", 1))  # noqa: E731
+    keys = [run_key(run) for run in reports[0]["runs"]]
     for report in reports[1:]:
-        other = [(run["config"], run["engine"], run["micro_batches"], run.get("world_size", 1)) for run in report["runs"]]
+        other = [run_key(run) for run in report["runs"]]
         if other != keys:
             raise SystemExit(f"the repeats ran different sweeps: {keys} and {other}")
-    for index, run in enumerate(merged["runs"]):
-        repeats = [report["runs"][index] for report in reports]
+    runs = []
+    for repeats in zip(*(report["runs"] for report in reports)):
         seconds = [repeat["step_seconds_median"] for repeat in repeats]
         chosen = seconds.index(statistics.median_low(seconds))
-        merged["runs"][index] = dict(copy.deepcopy(repeats[chosen]), step_seconds_by_repeat=seconds,
-                                     repeat_chosen=chosen)
-    merged["repeats"] = len(reports)
-    return merged
+        runs.append(dict(repeats[chosen], step_seconds_by_repeat=seconds, repeat_chosen=chosen))
+    return dict(reports[0], runs=runs, repeats=len(reports))
 
 
 def merged_plan(plans: list) -> dict:
@@ -323,8 +324,7 @@ class Sweep:
                                                                  recorded=recorded_hardware(report, before))
             rows = [bracketed_row(first, last) for first, last in zip(rows_before, rows)]
             print(f"{path}: the probes before and after the runs\n{drift_markdown(rows)}", flush=True)
-        one_rank = [run for run in report["runs"] if run.get("world_size", 1) == 1]
-        for run, row in zip(one_rank, rows):
+        for run, row in zip(one_rank_runs(report), rows):
             if "step_seconds_by_repeat" in run:
                 row["measured_seconds_by_repeat"] = run["step_seconds_by_repeat"]
         print(f"{path}:\n{rows_markdown(rows)}", flush=True)
