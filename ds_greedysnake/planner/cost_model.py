@@ -14,7 +14,8 @@ shares in.
 
 Three schedules:
 * ``engine_phases`` (in ``engine_model.py``): what ds_greedysnake's engine does today (section "The
-  engine, as modelled" in docs/planner.md).
+  engine, as modelled" in docs/planner.md); its step is evaluated as a timeline of the phases beside the
+  optimizer worker's queue (``worker_queue.py``), not as their sum.
 * ``ideal_vertical_phases``: the paper's model: per layer, an alpha share of the optimizer work in
   forward and the rest in backward, every transfer overlapped.
 * ``horizontal_phases`` (in ``zero_model.py``): ZeRO-Infinity: per micro-batch, every layer's swapped
@@ -129,6 +130,9 @@ class Phase:
     lanes: Dict[str, Linear]
     repeat: int = 1   # the horizontal schedule runs the same phase once per micro-batch
     serial_name: str = "serial"  # what the serial part is, named when it binds
+    # How the phase meets ds_greedysnake's optimizer worker (``worker_queue.QueueLink``); with it on every
+    # phase, ``evaluate`` runs the step as a timeline of the phases beside the worker's queue.
+    queue: Optional[object] = None
 
     def seconds(self, shares: Dict[str, float]) -> Tuple[float, str]:
         """(seconds, the lane that binds); the serial part counts as its own resource when it dominates."""
@@ -157,12 +161,17 @@ class StepPrediction:
 
 
 def evaluate(engine: str, phases: List[Phase], workload: Workload, shares: Dict[str, float]) -> StepPrediction:
-    total, by_binding, rows = 0.0, {}, []
-    for phase in phases:
-        seconds, binding = phase.seconds(shares)
-        total += seconds
+    """The step: the sum of the phases, or, where every phase says how it meets the optimizer worker's queue,
+    their timeline beside it (``worker_queue``)."""
+    if phases and all(phase.queue is not None for phase in phases):
+        from .worker_queue import timeline_seconds
+        total, rows = timeline_seconds(phases, shares)
+    else:
+        rows = [(phase.name, *phase.seconds(shares)) for phase in phases]
+        total = sum(seconds for _, seconds, _ in rows)
+    by_binding = {}
+    for _, seconds, binding in rows:
         by_binding[binding] = by_binding.get(binding, 0.0) + seconds
-        rows.append((phase.name, seconds, binding))
     binding = max(by_binding, key=by_binding.get)
     return StepPrediction(engine, total, workload.tokens_per_step / total, binding, by_binding, rows)
 
@@ -211,8 +220,8 @@ class Rates:
         self.update_host = hardware.update_seconds_per_element          # None: from the rates
         self.update_state_io = hardware.update_state_io_seconds_per_element
         # While the worker runs, the training compute loses this share of the worker's time (see engine_model).
-        slowdown = hardware.compute_slowdown_sharing_cores or 1.0
-        self.sharing = 1.0 - 1.0 / slowdown
+        self.slowdown = hardware.compute_slowdown_sharing_cores or 1.0
+        self.sharing = 1.0 - 1.0 / self.slowdown
         self.adam = 1.0 / hardware.adam_elements_per_s
         handoff = hardware.grad_handoff_elements_per_s
         self.handoff = 0.0 if handoff is None else 1.0 / handoff

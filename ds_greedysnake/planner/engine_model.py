@@ -15,13 +15,14 @@ Three things the rates alone do not say, measured by the probe (``hardware.py``)
   compute slows (``compute_slowdown_sharing_cores``).
 """
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional
 
 from .cost_model import (GRAD_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, Linear, Phase, Rates, Workload, layer_times,
                          on_ssd)
 from ..runtime.schedule import default_deferred_layers, layers_updated_after_decision
 from .errors import PlannerError
 from .hardware import Hardware, LayerTimes
+from .worker_queue import QueueLink
 
 if TYPE_CHECKING:  # the model stays free of torch and DeepSpeed, which settings.py imports
     from ..settings import Settings
@@ -92,18 +93,18 @@ class EngineSettings:
         return {"grad": held / total, "act": min(1.0, checkpoint_host_bytes / checkpoints), "param": 0.0, "opt": 0.0}
 
 
-def _update(params: int, workload: Workload, rates: Rates, states_in_host: bool) -> Tuple[Linear, Linear, Linear]:
-    """The engine's per-layer update in the worker: read the states and, unless in host memory, the
+def _update(params: int, workload: Workload, rates: Rates, states_in_host: bool) -> Linear:
+    """The worker's seconds for one layer's update: read the states and, unless in host memory, the
     gradient (in flight together); Adam; write the states and the new weights (together). States kept
-    in host memory are updated in place: no state transfer. Returns (worker seconds, SSD bytes read,
-    SSD bytes written).
+    in host memory are updated in place: no state transfer. Its SSD transfers are in these seconds (the
+    probe times the update on the engine's pipeline, its reads and writes meeting on the SSD), not in a
+    phase's "SSD" lane (see ``_EngineTerms.sharing_cores``).
 
     With the probe's measurements (``update_seconds_per_element`` with states in host memory,
     ``update_state_io_seconds_per_element`` for what their SSD round trip adds) the update is those,
     per parameter; else it is built from the rates, one fixed cost per group of transfers."""
     state_bytes = 0 if states_in_host else OPTIMIZER_BYTES_PER_PARAM * params
     grad_bytes, weight_bytes = GRAD_BYTES_PER_PARAM * params, workload.param_bytes * params
-    reads = on_ssd("opt", state_bytes) + on_ssd("grad", grad_bytes)
     writes = on_ssd("opt", state_bytes) + on_ssd("param", weight_bytes)
     if rates.update_host is not None and rates.update_state_io is not None:
         # Measured with the gradient in host memory and the new weights written: a gradient through SSD
@@ -112,13 +113,13 @@ def _update(params: int, workload: Workload, rates: Rates, states_in_host: bool)
                    + on_ssd("grad", grad_bytes) * rates.read)
         if state_bytes:
             seconds += on_ssd("opt", params * rates.update_state_io)
-        return seconds, reads, writes
+        return seconds
     seconds = Linear(params * rates.adam + rates.write_latency) + writes * rates.write
     if state_bytes:
         seconds += rates.read_seconds("opt", state_bytes) + on_ssd("grad", grad_bytes) * rates.read
     else:
         seconds += rates.read_seconds("grad", grad_bytes)
-    return seconds, reads, writes
+    return seconds
 
 
 class _EngineTerms:
@@ -151,12 +152,17 @@ class _EngineTerms:
         takes c + (1 - 1/slowdown) u (compute) or u + (1 - 1/slowdown) c (the worker): each lane carries
         the other's share. Measured here at M=8 of ab_bench's ssd_bound: backward 0.30 s without the
         worker, 0.39-0.44 s with it; the worker's ten updates 0.34 s alone, 0.49-0.51 s beside training."""
-        # The worker and the prefetch share one SSD; the "SSD" lane holds both processes' bytes. An earlier
-        # lane added the worker's whole time to the prefetch's (measured then: the worker's ten updates
-        # took 0.38-0.42 s at M=1 beside the prefetches, 0.35 s inline). Since the worker reads and writes
-        # on two aio handles, its busy time per step beside the prefetches (0.32-0.46 s in eight runs) is
-        # what the probe gives it alone (0.32-0.41 s), and the sum put the step 1.07-1.95x above the
-        # measured one (docs/planner.md, 2026-12-01).
+        # The worker and the prefetch share one SSD. The worker's transfers are in its update's seconds (the
+        # probe times the update with its reads and writes in flight together), and a phase's "SSD" lane holds
+        # the training process's own (prefetch, checkpoints, gradients). Until 2026-12-05 that lane also held
+        # the worker's bytes, reads at R then writes at W: at hidden 880, M=1, a step's 1.18 GB read and
+        # 0.95 GB written come to 1.34 s that way where the whole step took 1.10 s (this disk serves reads
+        # and writes together), and the lane bound greedysnake's M=1 steps at 1.13-1.36x the measured ones
+        # (docs/planner.md, issue 33). An earlier lane added the worker's whole time to the prefetch's
+        # (measured then: the worker's ten updates took 0.38-0.42 s at M=1 beside the prefetches, 0.35 s
+        # inline). Since the worker reads and writes on two aio handles, its busy time per step beside the
+        # prefetches (0.32-0.46 s in eight runs) is what the probe gives it alone (0.32-0.41 s), and the sum
+        # put the step 1.07-1.95x above the measured one (docs/planner.md, 2026-12-01).
         if "optimizer worker" in lanes and self.rates.sharing > 0:
             compute, worker = lanes["compute"], lanes["optimizer worker"]
             lanes["compute"] = compute + worker * self.rates.sharing
@@ -179,7 +185,7 @@ def engine_phases(workload: Workload, hardware: Hardware, deferred_layers: int, 
     phases += [_engine_backward(terms, index) for index in range(count - 1, -1, -1)]
     if not overlap:
         serial = Linear()
-        for seconds, _, _ in terms.updates:
+        for seconds in terms.updates:
             serial += seconds
         phases.append(Phase("optimizer", serial, {}, serial_name="optimizer step (not overlapped)"))
     return phases
@@ -189,7 +195,7 @@ def _engine_forward(terms: _EngineTerms, index: int) -> Phase:
     rates, following = terms.rates, index + 1
     serial = Linear()
     if index == 0 and terms.overlap:
-        serial += terms.updates[0][0]  # the first forward waits for layer 0's update, submitted last
+        serial += terms.updates[0]  # the first forward waits for layer 0's update, submitted last
     if index == 0 or terms.update_in_forward(index):
         # Its prefetch had nothing to overlap (layer 0) or was skipped while its update ran.
         serial += terms.param_read(index)
@@ -197,15 +203,22 @@ def _engine_forward(terms: _EngineTerms, index: int) -> Phase:
     lanes = {"compute": Linear(terms.m * terms.times[index].forward_s) + spill * rates.write}
     reads, writes = Linear(), spill
     if terms.update_in_forward(following):  # its update runs now; its read waits for it
-        lanes["optimizer worker"] = terms.updates[following][0]
-        reads, writes = reads + terms.updates[following][1], writes + terms.updates[following][2]
+        lanes["optimizer worker"] = terms.updates[following]
     else:
         lanes["prefetch"] = terms.param_read(following)
         reads += on_ssd("param", terms.param_bytes[following])
     lanes["SSD"] = rates.ssd(reads, writes)
     terms.sharing_cores(lanes)
     rates.add_link(lanes, 2 * terms.checkpoints + terms.param_bytes[index])
-    return Phase(f"forward[{index}]", serial, lanes, serial_name="fetch wait (update, read)")
+    queue = None
+    if terms.overlap:  # each read waits for its layer's update (queued in the step before)
+        in_forward = terms.update_in_forward(following)
+        queue = QueueLink(lane_update=following if in_forward else None, queued_at_decision=in_forward,
+                          update_longest=terms.updates[following] * rates.slowdown if in_forward else None,
+                          serial_update=(0, terms.updates[0]) if index == 0 else None,
+                          fetch_waits_for=index if index == 0 or terms.update_in_forward(index) else None,
+                          prefetch_waits_for=None if in_forward else following)
+    return Phase(f"forward[{index}]", serial, lanes, serial_name="fetch wait (update, read)", queue=queue)
 
 
 def _engine_backward(terms: _EngineTerms, index: int) -> Phase:
@@ -223,14 +236,20 @@ def _engine_backward(terms: _EngineTerms, index: int) -> Phase:
         reads += on_ssd("param", terms.param_bytes[index - 1])
     previous = index + 1  # updated during this layer's backward, after its own flush
     if terms.overlap and previous < terms.count and not terms.update_in_forward(previous):
-        lanes["optimizer worker"] = terms.updates[previous][0]
-        reads, writes = reads + terms.updates[previous][1], writes + terms.updates[previous][2]
+        lanes["optimizer worker"] = terms.updates[previous]
     lanes["SSD"] = rates.ssd(reads, writes)
     terms.sharing_cores(lanes)
     uploaded = 0 if kept_from_forward else terms.workload.param_bytes
     rates.add_link(lanes, 2 * terms.checkpoints + (uploaded + GRAD_BYTES_PER_PARAM) * params)
     # The last layer's prefetch was skipped if its update was deferred: it is read now, serially.
     waits = Linear()
-    if index == terms.count - 1 and terms.update_in_forward(index):
+    reads_late = index == terms.count - 1 and terms.update_in_forward(index)
+    if reads_late:
         waits = terms.param_read(index)
-    return Phase(f"backward[{index}]", waits, lanes, serial_name="fetch wait (update, read)")
+    queue = None
+    if terms.overlap:
+        held = "optimizer worker" in lanes
+        queue = QueueLink(lane_update=previous if held else None,
+                          update_longest=terms.updates[previous] * rates.slowdown if held else None,
+                          fetch_waits_for=index if reads_late else None)
+    return Phase(f"backward[{index}]", waits, lanes, serial_name="fetch wait (update, read)", queue=queue)

@@ -281,24 +281,30 @@ while True:
 """
 
 
-def probe_engine_cores(workload: Workload, device: torch.device, settings: Settings,
-                       repeats: int = 5) -> Tuple[Optional[float], Optional[float]]:
+def probe_engine_cores(workload: Workload, device: torch.device, settings: Settings, repeats: int = 5,
+                       all_threads_block_s: Optional[float] = None) -> Tuple[Optional[float], Optional[float]]:
     """On the CPU accelerator: (``engine_threads_slowdown``, ``compute_slowdown_sharing_cores``). The engine
     trains on ``training_threads`` (the cores less the worker's, by default), not torch's count the layer times
     are taken at: a block's forward+backward at those threads over at torch's (1.3-1.8 at hidden 640 here); and
     at those threads beside a stand-in for the worker's Adam on its threads (``_BUSY_WORKER``) over alone, the
     slow-down while the worker runs. Until issue 33 the second was one thread fewer over all of them, which
     stood in for both on this 2-core machine and missed the first where the worker was idle. (None, None)
-    when the device is not the host."""
+    when the device is not the host.
+
+    ``all_threads_block_s``: the block's forward+backward at torch's threads as ``probe_layers`` timed it for
+    the layer times this ratio multiplies: the ratio is taken over that very timing, so that the engine's
+    block is predicted at what the training threads measured. A ratio over a second all-threads timing of
+    its own came out 1.40 and 1.77 in two probes of one workload (hidden 464, micro-batch 4) whose layer
+    times' block took 15.8 and 14.9 ms, and the engine's compute was predicted at 0.83x (docs/planner.md)."""
     if device.type != "cpu":
         return None, None
     threads = torch.get_num_threads()
     training = training_threads_for(settings.greedysnake, device.type) or threads
     block = lambda: probe_layers(workload, device, repeats, kinds=("block",))["block"].forward_backward_s  # noqa: E731
-    alone_all = block()
+    alone_all = block() if all_threads_block_s is None else all_threads_block_s
     torch.set_num_threads(training)
     try:
-        alone = block()
+        alone = probe_layers(workload, device, 2 * repeats, kinds=("block",))["block"].forward_backward_s
         busy = subprocess.Popen([sys.executable, "-c", _BUSY_WORKER,
                                  str(worker_threads_for(settings.greedysnake, device.type))],
                                 stdout=subprocess.PIPE, text=True)
@@ -339,8 +345,10 @@ def probe_more_workloads(workload: Workload, micro_batch_sizes: Sequence[int], d
     for size in sorted(set(micro_batch_sizes) - {workload.micro_batch_size}):
         other = replace(workload, micro_batch_size=size)
         if timeable(other):
-            threads_slowdown, sharing = probe_engine_cores(other, device, settings, repeats)
-            timed[other.compute_key()] = WorkloadTimes(probe_layers(other, device, repeats), sharing, threads_slowdown)
+            layers = probe_layers(other, device, repeats)
+            threads_slowdown, sharing = probe_engine_cores(other, device, settings, repeats,
+                                                           layers["block"].forward_backward_s)
+            timed[other.compute_key()] = WorkloadTimes(layers, sharing, threads_slowdown)
     return timed
 
 
@@ -374,7 +382,8 @@ def probe_machine(nvme_path: str, settings: Settings, workload: Optional[Workloa
     if workload is not None:
         repeats = layer_repeats or (3 if quick else 5)
         layer_times = probe_layers(workload, device, repeats=repeats)
-        threads_slowdown, sharing = probe_engine_cores(workload, device, settings, repeats=repeats)
+        threads_slowdown, sharing = probe_engine_cores(workload, device, settings, repeats,
+                                                       layer_times["block"].forward_backward_s)
         key = workload.compute_key()
         block = next(layer for layer in workload.shape.layers if layer.kind == "block")
         flops = block.forward_flops_per_token * workload.tokens_per_micro_batch / layer_times["block"].forward_s

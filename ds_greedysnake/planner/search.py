@@ -3,7 +3,10 @@ shares under a host-memory budget (SciPy's ``linprog``, HiGHS), then the best pl
 
 For fixed M and split, the step time ``sum_k repeat_k * T_k`` is minimised subject to
 ``T_k >= serial_k(x) + lane_kj(x)`` for every phase k and lane j, and the host bytes of the shares
-x = (act, param, opt, grad) within the budget. Shares the engine cannot place in host memory
+x = (act, param, opt, grad) within the budget. For the engine that sum is a bound the LP can take (it ties
+each update to the phase it is submitted in); the plans it gives for each split are compared by
+``evaluate``, which runs the engine's step as a timeline beside the optimizer worker's queue
+(``worker_queue.py``). Shares the engine cannot place in host memory
 (parameters; optimizer states other than whole front layers') are bounded to 0 when the plan is to be
 applied. The front layers' optimizer states (``optimizer_host_memory_mb``) are whole layers: each split
 is solved with as many of them in host memory as the budget holds, and with none.

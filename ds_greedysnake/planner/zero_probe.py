@@ -221,7 +221,6 @@ def _run(spec: dict) -> Dict[str, float]:
     from .shapes import GPTShape
 
     deepspeed_compat.remove_shm_buffer_at_exit()
-    dtype = torch.bfloat16 if spec["bf16"] else torch.float32
     blocks = spec.get("blocks", BLOCKS)
     shape = GPTShape("zero probe", blocks, spec["hidden"], spec["heads"], spec["vocab"], spec["seq_len"],
                      spec["mlp_ratio"])

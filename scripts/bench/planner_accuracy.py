@@ -93,8 +93,11 @@ def predict_runs(report: dict, hardware_arg: str, nvme_path: str, save_hardware=
                         save(hardware, save_hardware)
                 else:  # the machine's rates once; the layers per configuration
                     first, device = next(iter(hardware_by_config.values())), accelerator_device()
-                    threads_slowdown, sharing = probe_engine_cores(workload, device, settings)
-                    hardware = dataclasses.replace(first, layer_times=probe_layers(workload, device),
+                    layers = probe_layers(workload, device)
+                    block_s = layers["block"].forward_backward_s
+                    threads_slowdown, sharing = probe_engine_cores(workload, device, settings,
+                                                                   all_threads_block_s=block_s)
+                    hardware = dataclasses.replace(first, layer_times=layers,
                                                    layer_times_for=workload.compute_key(),
                                                    compute_slowdown_sharing_cores=sharing,
                                                    engine_threads_slowdown=threads_slowdown)

@@ -16,3 +16,39 @@ def test_ssd_probe_on_tiny_transfers(tmp_path):
     assert all(rates[key] > 0 for key in RATE_KEYS), rates
     assert rates["ssd_read_seconds_per_transfer"] >= 0 and rates["ssd_write_seconds_per_transfer"] >= 0
     assert os.listdir(folder) == []  # its scratch folder is gone
+
+
+def test_engine_threads_slowdown_is_taken_over_the_layer_times_own_block(monkeypatch):
+    """The engine's threads' slow-down divides the block at the training threads by the all-threads timing
+    the layer times hold (passed in), not by a second timing of its own: the engine's block is then
+    predicted at exactly what the training threads measured."""
+    import torch
+
+    from ds_greedysnake.planner import probe
+    from ds_greedysnake.planner.hardware import LayerTimes
+    from ds_greedysnake.planner.shapes import parse_layers
+    from ds_greedysnake.planner.cost_model import Workload
+    from ds_greedysnake.settings import settings_from_ds_config
+
+    calls = []
+
+    def fake_layers(workload, device, repeats=5, kinds=("embedding", "block", "head")):
+        calls.append((torch.get_num_threads(), repeats))
+        return {"block": LayerTimes(0.01, 0.03 if torch.get_num_threads() == 1 else 0.02)}
+
+    monkeypatch.setattr(probe, "probe_layers", fake_layers)
+    monkeypatch.setattr(probe, "training_threads_for", lambda block, device_type: 1)
+    monkeypatch.setattr(probe, "worker_threads_for", lambda block, device_type: 1)
+    settings = settings_from_ds_config({"train_micro_batch_size_per_gpu": 1})
+    workload = Workload(parse_layers("blocks=2,hidden=64,heads=2,vocab=128,seq_len=8"), 1, 1)
+    threads = torch.get_num_threads()
+    slowdown, sharing = probe.probe_engine_cores(workload, torch.device("cpu"), settings, repeats=3,
+                                                 all_threads_block_s=0.015)
+    assert torch.get_num_threads() == threads  # restored
+    assert slowdown == 0.03 / 0.015  # over the timing passed in, not the fake's all-threads 0.02
+    assert sharing == 1.0  # the fake takes as long beside the worker's stand-in as alone
+    assert calls[0] == (1, 6)  # the training threads' block timed with twice the repeats, and no all-threads timing
+    assert all(count == 1 for count, _ in calls)
+    calls.clear()
+    slowdown, _ = probe.probe_engine_cores(workload, torch.device("cpu"), settings, repeats=3)
+    assert calls[0][0] == threads and slowdown == (0.03 / 0.02 if threads > 1 else 1.0)  # its own timing without one
