@@ -193,16 +193,18 @@ def engine_phases(workload: Workload, hardware: Hardware, deferred_layers: int, 
 
 def _engine_forward(terms: _EngineTerms, index: int) -> Phase:
     rates, following = terms.rates, index + 1
+    # Its prefetch had nothing to overlap (layer 0) or was skipped while its update ran: read now, serially.
+    reads_late = index == 0 or terms.update_in_forward(index)
+    updates_following = terms.update_in_forward(following)  # the next layer's update runs now
     serial = Linear()
     if index == 0 and terms.overlap:
         serial += terms.updates[0]  # the first forward waits for layer 0's update, submitted last
-    if index == 0 or terms.update_in_forward(index):
-        # Its prefetch had nothing to overlap (layer 0) or was skipped while its update ran.
+    if reads_late:
         serial += terms.param_read(index)
     spill = on_ssd("act", terms.checkpoints)
     lanes = {"compute": Linear(terms.m * terms.times[index].forward_s) + spill * rates.write}
     reads, writes = Linear(), spill
-    if terms.update_in_forward(following):  # its update runs now; its read waits for it
+    if updates_following:  # its read waits for the update
         lanes["optimizer worker"] = terms.updates[following]
     else:
         lanes["prefetch"] = terms.param_read(following)
@@ -212,12 +214,11 @@ def _engine_forward(terms: _EngineTerms, index: int) -> Phase:
     rates.add_link(lanes, 2 * terms.checkpoints + terms.param_bytes[index])
     queue = None
     if terms.overlap:  # each read waits for its layer's update (queued in the step before)
-        in_forward = terms.update_in_forward(following)
-        queue = QueueLink(lane_update=following if in_forward else None, queued_at_decision=in_forward,
-                          update_longest=terms.updates[following] * rates.slowdown if in_forward else None,
+        queue = QueueLink(lane_update=following if updates_following else None, queued_at_decision=updates_following,
+                          update_longest=terms.updates[following] * rates.slowdown if updates_following else None,
                           serial_update=(0, terms.updates[0]) if index == 0 else None,
-                          fetch_waits_for=index if index == 0 or terms.update_in_forward(index) else None,
-                          prefetch_waits_for=None if in_forward else following)
+                          fetch_waits_for=index if reads_late else None,
+                          prefetch_waits_for=None if updates_following else following)
     return Phase(f"forward[{index}]", serial, lanes, serial_name="fetch wait (update, read)", queue=queue)
 
 

@@ -2,8 +2,13 @@
 removed), not the rates themselves, which a loaded machine moves."""
 import os
 
+import pytest
+
 from ds_greedysnake.deepspeed_compat import AioSettings
-from ds_greedysnake.planner.probe import probe_ssd
+from ds_greedysnake.planner.errors import PlannerError
+from ds_greedysnake.planner.probe import _fit_line, probe_ssd
+
+MIB = 2**20
 
 RATE_KEYS = ("ssd_read_bytes_per_s", "ssd_write_bytes_per_s", "ssd_read_bytes_per_s_single",
              "ssd_write_bytes_per_s_single")
@@ -16,6 +21,19 @@ def test_ssd_probe_on_tiny_transfers(tmp_path):
     assert all(rates[key] > 0 for key in RATE_KEYS), rates
     assert rates["ssd_read_seconds_per_transfer"] >= 0 and rates["ssd_write_seconds_per_transfer"] >= 0
     assert os.listdir(folder) == []  # its scratch folder is gone
+
+
+def test_probe_line_fit_ignores_a_few_disturbed_transfers():
+    """The SSD probe's fixed cost per transfer and rate: a line through timings of several sizes that a
+    few transfers slowed by the disk do not tilt."""
+    rate, fixed = 2000 * MIB, 0.002
+    points = [(size * MIB, fixed + size * MIB / rate) for size in (16, 21, 32, 64) for _ in range(3)]
+    points[1] = (points[1][0], 3 * points[1][1])     # two transfers three times slower
+    points[-1] = (points[-1][0], 3 * points[-1][1])
+    slope, intercept = _fit_line(points)
+    assert 1 / slope == pytest.approx(rate) and intercept == pytest.approx(fixed)
+    with pytest.raises(PlannerError, match="at least two sizes"):
+        _fit_line([(MIB, 0.1), (MIB, 0.2)])
 
 
 def test_engine_threads_slowdown_is_taken_over_the_layer_times_own_block(monkeypatch):
