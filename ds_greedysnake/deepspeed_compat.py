@@ -71,12 +71,11 @@ def check_deepspeed_internals() -> None:
     for op_name in ("adam_update", "create_adam"):
         if not hasattr(placeholder.ds_opt_adam, op_name):
             raise DeepSpeedInternalsError(f"DeepSpeed's cpu_adam op has no {op_name}")
-    import importlib
     for name, (module_name, class_name, method) in _ZERO_PROFILED.items():  # the planner's ZeRO-3 profile
-        if not hasattr(getattr(importlib.import_module(module_name), class_name, None), method):
+        if not hasattr(_zero_profiled_owner(module_name, class_name), method):
             raise DeepSpeedInternalsError(
-                f"DeepSpeed {deepspeed.__version__} has no {class_name}.{method} (the planner's ZeRO-3 profile times "
-                f"it as {name!r}); ds_greedysnake was checked against DeepSpeed {CHECKED_DEEPSPEED_VERSION}")
+                f"DeepSpeed {deepspeed.__version__} has no {class_name or module_name}.{method} (the planner's ZeRO-3 "
+                f"profile times it as {name!r}); ds_greedysnake was checked against DeepSpeed {CHECKED_DEEPSPEED_VERSION}")
 
 
 # ----------------------------------------------------------------------------- engine construction
@@ -640,9 +639,10 @@ def count_zero_param_swap_reads() -> Iterator[SwapReadCounter]:
 
 
 # What a profile of ZeRO-Infinity's step times (the planner's terms; docs/planner.md, "The planner on shapes it
-# never ran on"): name ->
-# (the class's module, the class, the method). Inclusive wall seconds: the reduction holds the boundary's
-# gradient write, the optimizer step holds every other optimizer row.
+# never ran on"): name -> (the module, the class or None for a function of the module, the method or
+# function). Inclusive wall seconds: the reduction holds its reduce-scatter (the bucket flattened, divided and
+# reduce-scattered) and its partition (each gradient's partition copied or added into its buffer, and at the
+# boundary its norm and the gradient write); the optimizer step holds every other optimizer row.
 _ZERO_PROFILED = {
     "parameter read": ("deepspeed.runtime.swap_tensor.partitioned_param_swapper", "AsyncPartitionedParameterSwapper",
                        "swap_in"),
@@ -652,6 +652,12 @@ _ZERO_PROFILED = {
                            "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads"),
     "gradient write (boundary)": ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3",
                                   "_swap_out_offload_fp32_gradients"),
+    # The reduction's parts (scripts/bench/zero_reduction_profile.py): stage 3 calls the function by the name
+    # it imported, so its module's name is the one wrapped.
+    "gradient reduce-scatter": ("deepspeed.runtime.zero.stage3", None, "reduce_scatter_coalesced"),
+    "gradient partition": ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "partition_grads"),
+    "gradient norm (boundary)": ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3",
+                                 "_constant_buffered_norm2"),
     "optimizer step": ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "step"),
     "optimizer state read": ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3",
                              "_optimizer_states_and_gradient_swap_in"),
@@ -661,6 +667,13 @@ _ZERO_PROFILED = {
     "optimizer state write": ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3",
                               "_optimizer_states_and_gradient_swap_out"),
 }
+
+
+def _zero_profiled_owner(module_name: str, class_name: Optional[str]):
+    """What holds a profiled method: the class, or the module itself for a function (None where absent)."""
+    import importlib
+    module = importlib.import_module(module_name)
+    return module if class_name is None else getattr(module, class_name, None)
 
 
 @dataclass
@@ -674,18 +687,17 @@ class ZeroProfile:
 
 @contextlib.contextmanager
 def profile_zero_step() -> Iterator[ZeroProfile]:
-    """Time ZeRO-3's parameter swap-ins, gradient reduction and the optimizer step's parts (state reads,
-    Adam, parameter and state writes) while the block runs: the profile the planner's ZeRO-Infinity
+    """Time ZeRO-3's parameter swap-ins, gradient reduction (and its parts) and the optimizer step's parts
+    (state reads, Adam, parameter and state writes) while the block runs: the profile the planner's ZeRO-Infinity
     terms are checked against (scripts/bench/ab_bench). On the CPU accelerator every part but the aio
     reads in flight is synchronous, so wall seconds are the part's cost."""
-    import importlib
     import time
 
     profile = ZeroProfile({name: 0.0 for name in _ZERO_PROFILED}, {name: 0 for name in _ZERO_PROFILED},
                           {name: [] for name in _ZERO_PROFILED})
     restore = []
     for name, (module_name, class_name, method) in _ZERO_PROFILED.items():
-        owner = getattr(importlib.import_module(module_name), class_name)
+        owner = _zero_profiled_owner(module_name, class_name)
         original = getattr(owner, method)
 
         def timed(*args, _original=original, _name=name, **kwargs):

@@ -24,6 +24,8 @@ process), and times its parts with ``deepspeed_compat.profile_zero_step``:
 * ``zero_grad_reduce_elements_per_s``: parameters / a micro-batch's reduction but the last; the last's, less
   the gradient write it holds, as "gradient reduction (boundary)" per element (it also moves the accumulated
   gradients to the optimizer: 0.25 s against 0.10 s for the others at hidden 640 here);
+* ``zero_reduction_parts_seconds_per_element``: the reduction's parts (``reduction_parts``), no term of the
+  model: what scripts/bench/zero_reduction_profile.py sets against a run's;
 * ``zero_optimizer_seconds_per_element``: each part of the optimizer step (the swapped states' reads and
   writes, Adam, the new weights, and the rest of the step) and the boundary's gradient write, seconds per
   element it works on (``optimizer_elements``): the probe's optimizer has the model's sub-groups, fewer of
@@ -110,7 +112,10 @@ def mean_terms(runs: Sequence[Dict]) -> Dict:
     combined["fetches"] = runs[0]["fetches"]
     combined["zero_grad_reduce_elements_per_s"] = 1.0 / mean(1.0 / run["zero_grad_reduce_elements_per_s"]
                                                              for run in runs)
-    for table in ("zero_optimizer_seconds_per_element", "zero_read_seconds_by_size"):
+    tables = ["zero_optimizer_seconds_per_element", "zero_read_seconds_by_size"]
+    if all("zero_reduction_parts_seconds_per_element" in run for run in runs):  # a diagnosis, not a term
+        tables.append("zero_reduction_parts_seconds_per_element")
+    for table in tables:
         combined[table] = {key: mean(run[table][key] for run in runs) for key in runs[0][table]}
     combined["processes"] = len(runs)
     return combined
@@ -204,6 +209,21 @@ OPTIMIZER_PARTS = ("optimizer state read", "Adam", "parameter write", "optimizer
                    "gradient write (boundary)")
 
 
+def reduction_parts(ops: Dict[str, float], micro_batches: int, params: int) -> Dict[str, float]:
+    """A step's gradient reductions (``deepspeed_compat.profile_zero_step``'s seconds ``ops``) in parts, seconds
+    per element of a micro-batch's gradients: the bucket's reduce-scatter (flattened, divided, reduce-scattered),
+    the copies or adds of each partition into its buffer, the rest of the reduction (bucket bookkeeping), and
+    the boundary's norms per element of the model (the boundary's gradient write is its own optimizer part).
+    What scripts/bench/zero_reduction_profile.py sets a run's against the probe's."""
+    per_micro_batch = micro_batches * params
+    partition = ops["gradient partition"] - ops["gradient norm (boundary)"] - ops["gradient write (boundary)"]
+    return {"reduce-scatter": ops["gradient reduce-scatter"] / per_micro_batch,
+            "partition copies": partition / per_micro_batch,
+            "rest": (ops["gradient reduction"] - ops["gradient reduce-scatter"] - ops["gradient partition"])
+            / per_micro_batch,
+            "norm (boundary)": ops["gradient norm (boundary)"] / params}
+
+
 def optimizer_elements(shape, zero) -> Dict[str, int]:
     """Per part of ZeRO-3's optimizer step, the elements it works on: the states and gradients of the swapped
     sub-groups, every parameter for Adam and the new weights (their swapped tensors written, the rest
@@ -276,9 +296,12 @@ def _run(spec: dict) -> Dict[str, float]:
     per_element["optimizer step, beyond its parts"] = median(
         lambda phases, ops: ops["optimizer step"] - sum(ops[part] for part in OPTIMIZER_PARTS
                                                         if part != "gradient write (boundary)")) / params
+    parts = [reduction_parts(ops, MICRO_BATCHES, params) for _, ops in steps]
     return {"zero_seconds_per_fetch": max(0.0, passes - MICRO_BATCHES * plain_compute) / (MICRO_BATCHES * fetches),
             "zero_grad_reduce_elements_per_s": params / max(reduction, 1e-9),
             "zero_optimizer_seconds_per_element": per_element,
+            "zero_reduction_parts_seconds_per_element": {name: statistics.median(step[name] for step in parts)
+                                                         for name in parts[0]},
             "zero_read_seconds_by_size": {size: statistics.median(times) for size, times in read_seconds.items()},
             "passes_seconds": passes, "plain_compute_seconds": MICRO_BATCHES * plain_compute, "fetches": fetches}
 

@@ -84,6 +84,14 @@ def test_quick_ab_bench(tmp_path):
         assert run["param_read_bytes_per_step"] > 0
         assert run["peak_rss_mib"] > 0
         assert all(math.isfinite(loss) for loss in run["losses"])
+        if run["engine"] == "zero_infinity":
+            # The reduction's parts (scripts/bench/zero_reduction_profile.py) lie inside it, and the boundary's
+            # norms and gradient write inside its partition: inclusive wall seconds of nested calls.
+            ops, calls = run["seconds_by_op_mean"], run["calls_by_op"]
+            assert ops["gradient reduce-scatter"] > 0 and ops["gradient norm (boundary)"] > 0
+            assert ops["gradient reduce-scatter"] + ops["gradient partition"] <= ops["gradient reduction"]
+            assert ops["gradient norm (boundary)"] + ops["gradient write (boundary)"] <= ops["gradient partition"]
+            assert 0 < calls["gradient reduce-scatter"] <= calls["gradient reduction"]
         if run["engine"] == "greedysnake":
             # The front layer's optimizer states are in host memory by default (optimizer_host_memory_mb).
             assert 0 < run["host_state_parameters"] < run["parameters"]

@@ -69,3 +69,23 @@ def test_a_profiled_zero_3_method_that_disappears_is_named(monkeypatch):
     monkeypatch.delattr(DeepSpeedZeroOptimizer_Stage3, "_optimizer_step")
     with pytest.raises(deepspeed_compat.DeepSpeedInternalsError, match="_optimizer_step"):
         deepspeed_compat.check_deepspeed_internals()
+
+
+def test_a_profiled_zero_3_function_that_disappears_is_named(monkeypatch):
+    """The reduction's reduce-scatter is a function stage 3 imported by name: its module's name is wrapped,
+    and a release without it fails here, naming it."""
+    import deepspeed.runtime.zero.stage3 as stage3
+    monkeypatch.delattr(stage3, "reduce_scatter_coalesced")
+    with pytest.raises(deepspeed_compat.DeepSpeedInternalsError, match="stage3.reduce_scatter_coalesced"):
+        deepspeed_compat.check_deepspeed_internals()
+
+
+def test_the_profile_wraps_a_module_function_and_puts_it_back(monkeypatch):
+    import deepspeed.runtime.zero.stage3 as stage3
+    monkeypatch.setattr(stage3, "reduce_scatter_coalesced", lambda tensors, group=None: ["reduced", *tensors])
+    stand_in = stage3.reduce_scatter_coalesced
+    with deepspeed_compat.profile_zero_step() as profile:
+        assert stage3.reduce_scatter_coalesced is not stand_in  # what stage 3 calls by name is timed
+        assert stage3.reduce_scatter_coalesced(["gradient"]) == ["reduced", "gradient"]
+    assert stage3.reduce_scatter_coalesced is stand_in
+    assert profile.calls["gradient reduce-scatter"] == 1 and profile.seconds["gradient reduce-scatter"] > 0

@@ -10,7 +10,8 @@ from ds_greedysnake.planner.cost_model import Workload
 from ds_greedysnake.planner.zero_model import HorizontalSettings, zero_swapped_tensors
 from ds_greedysnake.planner.errors import PlannerError
 from ds_greedysnake.planner.shapes import GPTShape
-from ds_greedysnake.planner.zero_probe import mean_terms, probe_zero_engine, probe_zero_ops, zero_op_sizes
+from ds_greedysnake.planner.zero_probe import (mean_terms, probe_zero_engine, probe_zero_ops, reduction_parts,
+                                              zero_op_sizes)
 from ds_greedysnake.settings import settings_from_ds_config
 
 MIB = 2**20
@@ -61,6 +62,10 @@ def test_zero_probe_runs_zero_3_and_reads_the_tensors_the_model_swaps(tmp_path):
     assert set(terms["zero_optimizer_seconds_per_element"]) == {"gradient reduction (boundary)",
         "optimizer state read", "Adam", "parameter write", "optimizer state write", "gradient write (boundary)",
         "optimizer step, beyond its parts"}
+    parts = terms["zero_reduction_parts_seconds_per_element"]  # the reduction's parts, from both processes
+    assert set(parts) == {"reduce-scatter", "partition copies", "rest", "norm (boundary)"}
+    assert parts["reduce-scatter"] > 0 and parts["partition copies"] > 0 and parts["norm (boundary)"] > 0
+    assert parts["rest"] >= 0  # the parts are inside the reduction's own wall time
     zero = HorizontalSettings.from_settings(settings_from_ds_config(ds_config))
     swapped = {4 * n for layer in shape.layers for n in zero_swapped_tensors(layer, 4, zero)}
     assert set(terms["zero_read_seconds_by_size"]) == swapped, "ZeRO-3 read other tensors than the 1 MiB rule says"
@@ -72,6 +77,15 @@ def test_a_zero_probe_that_fails_says_why(tmp_path):
     ds_config = zero_infinity_config(str(tmp_path), 1024)  # buffers too small for any swapped tensor
     with pytest.raises(PlannerError, match="the ZeRO-3 probe failed"):
         probe_zero_engine(ds_config, Workload(GPTShape("t", 2, 512, 4, 1024, 16), 1, 2), str(tmp_path), blocks=2)
+
+
+def test_a_reduction_is_split_into_its_parts_per_element():
+    """A step's reductions (M=2 of 100 elements) as profile_zero_step times them, inclusive: the partition holds
+    the boundary's norms and gradient write, which leave it; the rest is what neither part holds."""
+    ops = {"gradient reduction": 1.0, "gradient reduce-scatter": 0.4, "gradient partition": 0.5,
+           "gradient norm (boundary)": 0.1, "gradient write (boundary)": 0.2}
+    assert reduction_parts(ops, 2, 100) == pytest.approx({"reduce-scatter": 0.4 / 200, "partition copies": 0.2 / 200,
+                                                          "rest": 0.1 / 200, "norm (boundary)": 0.1 / 100})
 
 
 def _terms(fetch, reduce_rate, state_read, read_4mib):
