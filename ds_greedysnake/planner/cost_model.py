@@ -198,6 +198,12 @@ def op_seconds(by_size: Dict[int, float], bytes_per_s: float) -> Callable[[float
     return seconds
 
 
+def zero_reduce_seconds_per_element(reduce_s: float, boundary_s: float, micro_batches: int) -> float:
+    """ZeRO-3's reduction per element of a micro-batch, averaged over M: M-1 at ``reduce_s``, the last (the
+    boundary, which also hands the gradients to the optimizer) at ``boundary_s``."""
+    return ((micro_batches - 1) * reduce_s + boundary_s) / micro_batches
+
+
 class Rates:
     """Seconds per byte / element of a machine, and the engine's per-transfer and per-update costs."""
 
@@ -236,7 +242,7 @@ class Rates:
         boundary = self.zero_per_element.get("gradient reduction (boundary)")
         if boundary is None or not self.zero_grad_reduce:  # with a GPU the link lane carries the reduction
             return self.zero_grad_reduce
-        return ((micro_batches - 1) * self.zero_grad_reduce + boundary) / micro_batches
+        return zero_reduce_seconds_per_element(self.zero_grad_reduce, boundary, micro_batches)
 
     def ssd(self, reads: Linear, writes: Linear) -> Linear:
         return reads * self.read + writes * self.write

@@ -51,10 +51,11 @@ def ab_args(args) -> list:
 
 
 def predicted_reduction(terms: dict, micro_batches: int) -> float:
-    """The planner's reduction term per element of a micro-batch at M (``cost_model.Rates.zero_reduce_per_micro_batch``):
-    M-1 reductions at the probe's rate, the boundary's at its own."""
-    boundary = terms["zero_optimizer_seconds_per_element"]["gradient reduction (boundary)"]
-    return ((micro_batches - 1) / terms["zero_grad_reduce_elements_per_s"] + boundary) / micro_batches
+    """The planner's reduction term per element of a micro-batch at M, from the probe's terms."""
+    from ds_greedysnake.planner.cost_model import zero_reduce_seconds_per_element
+    return zero_reduce_seconds_per_element(1.0 / terms["zero_grad_reduce_elements_per_s"],
+                                           terms["zero_optimizer_seconds_per_element"]["gradient reduction (boundary)"],
+                                           micro_batches)
 
 
 def run_rows(report: dict) -> list:
